@@ -1,0 +1,7 @@
+"""LLM inference on MLX, with exact speculative decoding on every kind of cache."""
+
+from ._version import __version__
+from .generate import generate, stream_generate
+from .utils import load
+
+__all__ = ["__version__", "generate", "load", "stream_generate"]

@@ -1,0 +1,412 @@
+"""Per-layer caches and the helpers that build, inspect and trim a model's cache list.
+
+Every cache entry implements the protocol of DESIGN.md §2: `state`/`meta_state` (what a
+prompt-cache file stores), `from_state`, `is_trimmable()`, `trim(n)`, `size()`,
+`nbytes`, `empty()` and `make_mask(N)`. `trim` never clamps: removing more than the
+cache can give back is an error, because the layers of one model must stay in step.
+"""
+
+from typing import Any, List, Optional
+
+import mlx.core as mx
+
+from .base import causal_mask_for_positions, create_causal_mask
+
+
+def _grow(buffer: Optional[mx.array], used: int, needed: int, like: mx.array, step: int, limit=None):
+    """A (B, H, capacity, D) buffer holding the first `used` rows of `buffer` and room
+    for `needed` rows; capacity rounds up to `step` (at most `limit`), so appending one
+    token at a time reallocates once per `step` tokens."""
+    capacity = -(-needed // step) * step
+    if limit is not None:
+        capacity = min(capacity, limit)
+    B, H, _, D = like.shape
+    spare = mx.zeros((B, H, capacity - used, D), like.dtype)
+    if buffer is None or used == 0:
+        return spare
+    return mx.concatenate([buffer[..., :used, :], spare], axis=2)
+
+
+class _BaseCache:
+    """The protocol; each cache class implements every method explicitly."""
+
+    @property
+    def state(self):
+        raise NotImplementedError
+
+    @property
+    def meta_state(self):
+        raise NotImplementedError
+
+    def is_trimmable(self) -> bool:
+        raise NotImplementedError
+
+    def trim(self, n: int) -> int:
+        raise NotImplementedError
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        """Rebuild without __init__: the setters restore every attribute."""
+        obj = cls.__new__(cls)
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj
+
+
+class KVCache(_BaseCache):
+    """Keys and values (B, H_kv, T, D) of every token seen, grown in blocks of `step`."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = None
+        self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append (B, H_kv, S, D) keys/values; return all (B, H_kv, offset, D) so far."""
+        start, end = self.offset, self.offset + keys.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            self.keys = _grow(self.keys, start, end, keys, self.step)
+            self.values = _grow(self.values, start, end, values, self.step)
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        self.offset = end
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+        if num_queries == 1 and (window_size is None or self.offset < window_size):
+            return None
+        return create_causal_mask(num_queries, self.offset, window_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @state.setter
+    def state(self, value):
+        self.keys, self.values = value if len(value) else (None, None)
+        self.offset = 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def meta_state(self):
+        return ""
+
+    @meta_state.setter
+    def meta_state(self, value):
+        pass
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last n tokens (the buffer rows are overwritten later)."""
+        if n <= 0:
+            return 0
+        if n > self.offset:
+            raise ValueError(f"Cannot trim {n} tokens from a KVCache holding {self.offset}")
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+class RotatingKVCache(_BaseCache):
+    """At most `max_size` tokens: the first `keep` (attention sinks) plus the most recent.
+
+    A query at position p sees the sinks and the keys at p - (max_size - keep) < j <= p:
+    exactly what the cache holds after p is written, so single-token decoding needs no
+    mask and writes in place around a ring. A multi-token update returns the whole held
+    window plus the new tokens in temporal order (make_mask masks the part outside each
+    query's window), then keeps only the newest window.
+    """
+
+    step = 256
+
+    def __init__(self, max_size: int, keep: int = 0):
+        if not 0 <= keep < max_size:
+            raise ValueError(f"RotatingKVCache needs 0 <= keep < max_size, got keep={keep}, max_size={max_size}")
+        self.max_size = max_size
+        self.keep = keep
+        self.keys = None
+        self.values = None
+        self.offset = 0  # tokens seen
+        self._idx = 0  # ring slot of the next single-token write
+
+    @property
+    def window(self) -> int:
+        """How many most recent tokens (sinks aside) a query sees, itself included."""
+        return self.max_size - self.keep
+
+    def wrapped(self) -> bool:
+        return self.offset > self.max_size
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def _temporal_order(self, buffer: mx.array) -> mx.array:
+        """The held rows of `buffer` ordered by position."""
+        n = self.size()
+        if not self.wrapped() or self._idx == self.max_size:
+            return buffer[..., :n, :]
+        return mx.concatenate(
+            [buffer[..., : self.keep, :], buffer[..., self._idx : n, :], buffer[..., self.keep : self._idx, :]],
+            axis=2,
+        )
+
+    def _held_positions(self) -> mx.array:
+        """Positions of the held tokens in temporal order."""
+        if not self.wrapped():
+            return mx.arange(self.offset)
+        recent = mx.arange(self.offset - self.window, self.offset)
+        return mx.concatenate([mx.arange(self.keep), recent])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if keys.shape[2] == 1:
+            return self._update_in_place(keys, values)
+        return self._update_concat(keys, values)
+
+    def _update_in_place(self, keys: mx.array, values: mx.array):
+        if self._idx == self.max_size:
+            self._idx = self.keep  # full: overwrite the oldest non-sink row
+        if self.keys is None or self._idx >= self.keys.shape[2]:
+            held = self.size()
+            self.keys = _grow(self.keys, held, held + 1, keys, self.step, self.max_size)
+            self.values = _grow(self.values, held, held + 1, values, self.step, self.max_size)
+        self.keys[..., self._idx : self._idx + 1, :] = keys
+        self.values[..., self._idx : self._idx + 1, :] = values
+        self._idx += 1
+        self.offset += 1
+        n = self.size()
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    def _update_concat(self, keys: mx.array, values: mx.array):
+        num_new = keys.shape[2]
+        if self.keys is not None:
+            keys = mx.concatenate([self._temporal_order(self.keys), keys], axis=2)
+            values = mx.concatenate([self._temporal_order(self.values), values], axis=2)
+        self.offset += num_new
+        self.keys, self.values = self._newest_window(keys), self._newest_window(values)
+        self._idx = self.keys.shape[2]
+        return keys, values
+
+    def _newest_window(self, rows: mx.array) -> mx.array:
+        """The sinks plus the last `window` rows of a temporal (B, H, T, D) array."""
+        if rows.shape[2] <= self.max_size:
+            return rows
+        return mx.concatenate([rows[..., : self.keep, :], rows[..., -self.window :, :]], axis=2)
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+        if window_size is not None and window_size != self.window:
+            raise ValueError(
+                f"RotatingKVCache(max_size={self.max_size}, keep={self.keep}) holds a window of "
+                f"{self.window} tokens; it cannot mask for window_size={window_size}"
+            )
+        if num_queries == 1:
+            return None
+        query_pos = mx.arange(self.offset, self.offset + num_queries)
+        key_pos = mx.concatenate([self._held_positions(), query_pos])
+        return causal_mask_for_positions(query_pos[:, None], key_pos[None], self.window, self.keep)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        n = self.size()
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    @state.setter
+    def state(self, value):
+        self.keys, self.values = value if len(value) else (None, None)
+
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.keep, self.max_size, self.offset, self._idx)))
+
+    @meta_state.setter
+    def meta_state(self, value):
+        self.keep, self.max_size, self.offset, self._idx = map(int, value)
+
+    def is_trimmable(self) -> bool:
+        return not self.wrapped()
+
+    def trim(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        if self.wrapped():
+            raise RuntimeError(
+                f"Cannot trim a RotatingKVCache that has wrapped (offset {self.offset} > "
+                f"max_size {self.max_size}): the evicted tokens are gone"
+            )
+        if n > self.offset:
+            raise ValueError(f"Cannot trim {n} tokens from a RotatingKVCache holding {self.offset}")
+        self.offset -= n
+        self._idx = self.offset
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+class ArraysCache(_BaseCache):
+    """A fixed number of state arrays (e.g. a recurrent layer's conv and SSM state).
+
+    The state after a token depends on every earlier token, so it cannot be trimmed by
+    dropping rows.
+    """
+
+    def __init__(self, size: int):
+        self.cache: List[Optional[mx.array]] = [None] * size
+
+    def __getitem__(self, index: int) -> Optional[mx.array]:
+        return self.cache[index]
+
+    def __setitem__(self, index: int, value: Optional[mx.array]):
+        self.cache[index] = value
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+        return None
+
+    def size(self) -> int:
+        return 0
+
+    @property
+    def state(self):
+        return self.cache
+
+    @state.setter
+    def state(self, value):
+        self.cache = list(value)
+
+    @property
+    def meta_state(self):
+        return ""
+
+    @meta_state.setter
+    def meta_state(self, value):
+        pass
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        raise RuntimeError("Cannot trim an ArraysCache: recurrent state has no per-token rows to drop")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.cache if a is not None)
+
+    def empty(self) -> bool:
+        return self.cache[0] is None
+
+
+class CacheList(_BaseCache):
+    """Several caches serving one layer; trimmable iff every child is."""
+
+    def __init__(self, *caches: _BaseCache):
+        self.caches = caches
+
+    def __getitem__(self, index: int) -> _BaseCache:
+        return self.caches[index]
+
+    def size(self) -> int:
+        return max((c.size() for c in self.caches), default=0)
+
+    @property
+    def state(self):
+        return [c.state for c in self.caches]
+
+    @state.setter
+    def state(self, value):
+        for c, s in zip(self.caches, value):
+            c.state = s
+
+    @property
+    def meta_state(self):
+        return [type(c).__name__ for c in self.caches], [c.meta_state for c in self.caches]
+
+    @meta_state.setter
+    def meta_state(self, value):
+        pass
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        class_names, metas = meta_state
+        return cls(*(CACHE_CLASSES[n].from_state(s, m) for n, s, m in zip(class_names, state, metas)))
+
+    def is_trimmable(self) -> bool:
+        return all(c.is_trimmable() for c in self.caches)
+
+    def trim(self, n: int) -> int:
+        if n > 0 and not self.is_trimmable():
+            raise RuntimeError("Cannot trim a CacheList with an untrimmable child")
+        for c in self.caches:
+            c.trim(n)
+        return max(n, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def empty(self) -> bool:
+        return self.caches[0].empty()
+
+
+# Explicit name -> class registry for rebuilding caches from saved class names.
+CACHE_CLASSES = {c.__name__: c for c in (KVCache, RotatingKVCache, ArraysCache, CacheList)}
+
+
+def make_prompt_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:
+    """The model's cache list; with `max_kv_size`, every growing KVCache becomes a
+    RotatingKVCache of that size that keeps the first 4 tokens (attention sinks)."""
+    cache = model.make_cache()
+    if max_kv_size is None:
+        return cache
+    if max_kv_size <= 4:
+        raise ValueError(f"max_kv_size must exceed the 4 kept sink tokens, got {max_kv_size}")
+    return [RotatingKVCache(max_kv_size, keep=4) if type(c) is KVCache else c for c in cache]
+
+
+def can_trim_prompt_cache(cache: List[Any]) -> bool:
+    return all(c.is_trimmable() for c in cache)
+
+
+def trim_prompt_cache(cache: List[Any], num_tokens: int) -> int:
+    """Remove the last `num_tokens` from every entry; returns the number removed.
+
+    Raises rather than doing part of the job: an untrimmable entry, or more tokens than
+    held, leaves the cache untouched and raises."""
+    if not cache or num_tokens <= 0:
+        return 0
+    if not can_trim_prompt_cache(cache):
+        names = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+        raise ValueError(f"Prompt cache cannot be trimmed: {', '.join(names)} entries are not trimmable")
+    for c in cache:
+        c.trim(num_tokens)
+    return num_tokens

@@ -1,0 +1,119 @@
+"""Mixture-of-experts layers: each token runs through its k chosen experts.
+
+Expert weights are stacked (E, out, in) and applied with gathered matmuls
+(`mx.gather_mm` / `mx.gather_qmm`), so there is no Python loop over experts. For many
+tokens (prefill) the (token, expert) pairs are sorted by expert first, so each expert's
+weight is read once per contiguous run instead of once per token.
+"""
+
+from typing import Callable, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Below this many (token, expert) pairs, sorting costs more than it saves.
+SORT_THRESHOLD = 64
+
+
+def swiglu(up: mx.array, gate: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+def sort_by_expert(x: mx.array, indices: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+    """x (..., 1, 1, D) and indices (..., k) -> rows (N*k, 1, D) ordered by expert,
+    their expert ids (N*k,), and the order that restores the original layout."""
+    k = indices.shape[-1]
+    flat_indices = indices.flatten()
+    order = mx.argsort(flat_indices)
+    rows = x.reshape(-1, 1, x.shape[-1])[order // k]
+    return rows, flat_indices[order], mx.argsort(order)
+
+
+def unsort(y: mx.array, restore: mx.array, indices_shape) -> mx.array:
+    """Inverse of sort_by_expert for outputs (N*k, 1, out) -> (..., k, 1, out)."""
+    return y[restore].reshape(*indices_shape, 1, y.shape[-1])
+
+
+class SwitchLinear(nn.Module):
+    """E stacked linear layers; `indices` picks one per (token, slot)."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False):
+        super().__init__()
+        scale = input_dims**-0.5
+        self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        if "bias" in self:
+            y = y + mx.expand_dims(self.bias[indices], -2)
+        return y
+
+    def to_quantized(self, group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine"):
+        return QuantizedSwitchLinear.from_float(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
+                 group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        weight = mx.zeros((num_experts, output_dims, input_dims))
+        self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
+        if biases and biases[0] is not None:
+            self.biases = biases[0]
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+        self.freeze()
+
+    @classmethod
+    def from_float(cls, layer: SwitchLinear, group_size: int, bits: int, mode: str):
+        num_experts, output_dims, input_dims = layer.weight.shape
+        q = cls(input_dims, output_dims, num_experts, "bias" in layer, group_size, bits, mode)
+        q.weight, q.scales, *biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
+        if biases and biases[0] is not None:
+            q.biases = biases[0]
+        if "bias" in layer:
+            q.bias = layer.bias
+        return q
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = mx.gather_qmm(
+            x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=sorted_indices,
+        )
+        if "bias" in self:
+            y = y + mx.expand_dims(self.bias[indices], -2)
+        return y
+
+
+class SwitchGLU(nn.Module):
+    """Gated expert MLP: down(activation(up(x), gate(x))) per chosen expert.
+
+    `activation(up, gate)` defaults to SwiGLU; gpt-oss passes its clamped variant."""
+
+    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int,
+                 activation: Callable[[mx.array, mx.array], mx.array] = swiglu, bias: bool = False):
+        super().__init__()
+        self.gate_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.up_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.down_proj = SwitchLinear(hidden_dims, input_dims, num_experts, bias=bias)
+        self.activation = activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x (..., D), indices (..., k) expert ids -> (..., k, D) per-expert outputs."""
+        x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D)
+        do_sort = indices.size >= SORT_THRESHOLD
+        idx = indices
+        if do_sort:
+            x, idx, restore = sort_by_expert(x, indices)
+        h = self.activation(self.up_proj(x, idx, do_sort), self.gate_proj(x, idx, do_sort))
+        y = self.down_proj(h, idx, do_sort)
+        if do_sort:
+            y = unsort(y, restore, indices.shape)
+        return y.squeeze(-2)
