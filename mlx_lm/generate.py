@@ -22,7 +22,7 @@ DEFAULT_TOP_P = 1.0
 DEFAULT_MIN_P = 0.0
 DEFAULT_TOP_K = 0
 DEFAULT_XTC_PROBABILITY = 0.0
-DEFAULT_XTC_THRESHOLD = 0.0
+DEFAULT_XTC_THRESHOLD = 0.1
 DEFAULT_MIN_TOKENS_TO_KEEP = 1
 DEFAULT_SEED = None
 DEFAULT_MODEL = "mlx-community/Llama-3.2-3B-Instruct-4bit"
@@ -74,10 +74,6 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: Optional[str] = None
-
-
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 def _check_generation_args(prompt: mx.array, max_tokens: int, prefill_step_size: int) -> None:
@@ -149,7 +145,7 @@ def generate_step(
         prompt_cache = cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     elif max_kv_size is not None:
         raise ValueError("max_kv_size cannot be combined with a prompt_cache; size the cache when making it")
-    sampler = sampler or _greedy
+    sampler = sampler or make_sampler()
     logits_processors = logits_processors or []
     history = prompt if logits_processors else None
     progress = prompt_progress_callback or (lambda done, total: None)

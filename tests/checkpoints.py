@@ -1,0 +1,42 @@
+"""Tiny random checkpoints in the Hugging Face layout, written by the tests themselves."""
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_lm.utils import get_model_classes
+
+from tokenizer_fixture import write_tokenizer
+
+VOCAB_SIZE = 512
+
+TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        vocab_size=VOCAB_SIZE, rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=VOCAB_SIZE, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=True, eos_token_id=0,
+    ),
+}
+
+
+def write_checkpoint(directory: Path, config: Dict[str, Any], seed: int = 0, scale: float = 0.5) -> Path:
+    """Random weights (from our own model, HF names) + config.json + tokenizer files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model_class, args_class = get_model_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = {k: mx.random.normal(v.shape) * scale for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(directory / "model.safetensors"), weights)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(directory, vocab_size=config["vocab_size"])
+    return directory

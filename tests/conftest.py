@@ -1,0 +1,24 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests never touch the network; helper modules live beside the tests.
+os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import TINY_CONFIGS, write_checkpoint  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random qwen3 checkpoint with a trained byte-level BPE tokenizer."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), TINY_CONFIGS["qwen3"])
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_llama"), TINY_CONFIGS["llama"], seed=1)

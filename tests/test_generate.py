@@ -1,0 +1,182 @@
+"""generate.py: the token loop, streaming, and the mlx_lm.generate CLI."""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlx_lm import generate, load, stream_generate
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+PROMPT = [5, 17, 260, 33, 101, 7, 99, 300, 12, 45, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def greedy_without_cache(model, prompt, num_tokens):
+    """Reference: recompute the whole sequence for every token."""
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        logits = model(mx.array(tokens)[None])[0, -1]
+        tokens.append(mx.argmax(logits).item())
+    return tokens[len(prompt) :]
+
+
+def test_greedy_matches_uncached_recomputation(tiny):
+    model, _ = tiny
+    want = greedy_without_cache(model, PROMPT, 12)
+    for prefill_step_size in (2048, 3):
+        got = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=12,
+                                           prefill_step_size=prefill_step_size)]
+        assert got == want
+
+
+def test_logprobs_are_normalised_and_match_tokens(tiny):
+    model, _ = tiny
+    for token, logprobs in generate_step(mx.array(PROMPT), model, max_tokens=3):
+        assert logprobs.shape == (model.args.vocab_size,)
+        assert abs(mx.logsumexp(logprobs).item()) < 1e-4
+        assert mx.argmax(logprobs).item() == token
+
+
+def test_cache_holds_prompt_and_every_yielded_token(tiny):
+    model, _ = tiny
+    cache = make_prompt_cache(model)
+    tokens = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=6, prompt_cache=cache)]
+    assert cache[0].offset == len(PROMPT) + 6
+    # Continuing from the cache equals generating from the concatenation.
+    follow_up = [3, 44]
+    continued = [t for t, _ in generate_step(mx.array(follow_up), model, max_tokens=4, prompt_cache=cache)]
+    fresh = greedy_without_cache(model, PROMPT + tokens + follow_up, 4)
+    assert continued == fresh
+
+
+def test_closing_early_leaves_consumed_tokens_cached(tiny):
+    model, _ = tiny
+    cache = make_prompt_cache(model)
+    generator = generate_step(mx.array(PROMPT), model, max_tokens=50, prompt_cache=cache)
+    for _ in range(3):
+        next(generator)
+    generator.close()
+    assert cache[0].offset == len(PROMPT) + 3
+
+
+def test_logits_processors_see_prompt_and_generated_tokens(tiny):
+    model, _ = tiny
+    seen = []
+
+    def record(history, logits):
+        seen.append(history.tolist())
+        return logits
+
+    tokens = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=3, logits_processors=[record])]
+    # The last token is fed (and processed) too: the loop is pipelined.
+    assert seen == [PROMPT + tokens[:i] for i in range(4)]
+
+
+def test_sampler_and_processor_change_the_output(tiny):
+    model, _ = tiny
+    banned = greedy_without_cache(model, PROMPT, 1)[0]
+
+    def ban(history, logits):
+        return logits.at[:, banned].add(-1e9)
+
+    first, _ = next(generate_step(mx.array(PROMPT), model, logits_processors=[ban]))
+    assert first != banned
+    constant = next(generate_step(mx.array(PROMPT), model, sampler=lambda lp: mx.array([42])))
+    assert constant[0] == 42
+
+
+def test_progress_callback_and_max_kv_size(tiny):
+    model, _ = tiny
+    calls = []
+    list(generate_step(mx.array(PROMPT), model, max_tokens=2, prefill_step_size=4,
+                       prompt_progress_callback=lambda done, total: calls.append((done, total))))
+    assert calls == [(4, 11), (8, 11), (10, 11), (11, 11)]
+    # A window larger than the whole run changes nothing.
+    plain = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=8)]
+    bounded = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=8, max_kv_size=64)]
+    assert plain == bounded
+    cache = make_prompt_cache(model, max_kv_size=8)
+    list(generate_step(mx.array(PROMPT), model, max_tokens=8, prompt_cache=cache))
+    assert isinstance(cache[0], RotatingKVCache) and cache[0].size() == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(prefill_step_size=0), "prefill_step_size"),
+        (dict(max_kv_size=8, prompt_cache=[]), "max_kv_size"),
+    ],
+)
+def test_generate_step_rejects_bad_arguments(tiny, kwargs, message):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=message):
+        next(generate_step(mx.array(PROMPT), model, **kwargs))
+    with pytest.raises(ValueError, match="prompt"):
+        next(generate_step(mx.array([], dtype=mx.int32), model))
+
+
+def test_stream_generate_text_and_finish_reasons(tiny):
+    model, tokenizer = tiny
+    responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens=7))
+    assert len(responses) == 7 and responses[-1].finish_reason == "length"
+    assert all(r.finish_reason is None for r in responses[:-1])
+    tokens = [r.token for r in responses]
+    assert tokens == greedy_without_cache(model, PROMPT, 7)
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens)
+    assert responses[-1].generation_tokens == 7 and responses[-1].prompt_tokens == len(PROMPT)
+    assert not any(r.from_draft for r in responses)
+
+    # Make the first greedy token an EOS: one response, finish_reason "stop", no text.
+    tokenizer.eos_token_ids = {tokens[0]}
+    try:
+        stopped = list(stream_generate(model, tokenizer, PROMPT, max_tokens=7))
+    finally:
+        tokenizer.eos_token_ids = {0}
+    assert len(stopped) == 1 and stopped[0].finish_reason == "stop" and stopped[0].text == ""
+
+
+def test_generate_returns_text_and_prints_stats(tiny, capsys):
+    model, tokenizer = tiny
+    text = generate(model, tokenizer, "def add(a, b):", max_tokens=5, verbose=True)
+    out = capsys.readouterr().out
+    assert text in out and "Prompt:" in out and "tokens-per-sec" in out and "Peak memory" in out
+    assert text == generate(model, tokenizer, "def add(a, b):", max_tokens=5)
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, input=stdin, timeout=120
+    )
+
+
+def test_cli_generates_and_reports_speed(tiny_model_dir):
+    result = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--prompt", "hi",
+                     "--max-tokens", "5", "--system-prompt", "be brief")
+    assert result.returncode == 0, result.stderr
+    assert "Generation: " in result.stdout and "tokens-per-sec" in result.stdout
+    quiet = run_cli("mlx_lm", "generate", "--model", str(tiny_model_dir), "--prompt", "-",
+                    "--max-tokens", "4", "--verbose", "false", "--ignore-chat-template",
+                    "--temp", "0.8", "--seed", "3", stdin="import os\n")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "tokens-per-sec" not in quiet.stdout and quiet.stdout.strip()
+
+
+def test_cli_errors_are_clear(tiny_model_dir, tmp_path):
+    missing = run_cli("mlx_lm.generate", "--model", str(tmp_path / "nope"), "--max-tokens", "2")
+    assert missing.returncode != 0 and "nope" in missing.stderr and "Traceback" not in missing.stderr
+    offline = run_cli("mlx_lm.generate", "--model", "some-org/some-model")
+    assert offline.returncode != 0 and "some-org/some-model" in offline.stderr
+    bad_json = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--chat-template-config", "[1]")
+    assert bad_json.returncode == 2 and "JSON object" in bad_json.stderr
+    bad_flag = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--verbose", "maybe")
+    assert bad_flag.returncode == 2 and "true or false" in bad_flag.stderr
+    unknown = run_cli("mlx_lm", "fly")
+    assert unknown.returncode != 0 and "unknown command" in unknown.stderr
