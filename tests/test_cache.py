@@ -212,3 +212,65 @@ def test_trim_prompt_cache_all_or_nothing():
     with pytest.raises(ValueError, match="ArraysCache"):
         trim_prompt_cache(mixed, 1)
     assert mixed[0].offset == 5
+
+
+def _decaying_sum_forward(cache, inputs):
+    """A toy recurrent layer: state <- 0.5 * state + x per token, recording rollbacks."""
+    before = cache[0] if cache[0] is not None else mx.zeros((2,))
+
+    def state_after(m):
+        state = before
+        for x in inputs[:m]:
+            state = 0.5 * state + x
+        return [state]
+
+    if cache.speculating:
+        cache.record_rollback(len(inputs), state_after, [cache[0]])
+    cache[0] = state_after(len(inputs))[0]
+
+
+def test_arrays_cache_rollback_stacks_and_keeps_prefix():
+    cache = ArraysCache(1)
+    _decaying_sum_forward(cache, [mx.array([1.0, 2.0])])
+    with pytest.raises(RuntimeError, match="not speculating"):
+        cache.record_rollback(1, lambda m: [None], [None])
+    cache.start_speculation()
+    assert cache.is_trimmable()
+    steps = [mx.array([float(i), -1.0]) for i in range(5)]
+    _decaying_sum_forward(cache, steps[:3])  # a verify chunk
+    _decaying_sum_forward(cache, steps[3:4])  # two single-token draft steps
+    _decaying_sum_forward(cache, steps[4:])
+
+    def fed(n):
+        plain = ArraysCache(1)
+        _decaying_sum_forward(plain, [mx.array([1.0, 2.0])] + steps[:n])
+        return plain[0]
+
+    assert cache.trim(3) == 3  # both single steps and the chunk's last token
+    assert mx.array_equal(cache[0], fed(2))
+    assert cache.trim(1) == 1  # the chunk's shorter record serves again
+    assert mx.array_equal(cache[0], fed(1))
+    with pytest.raises(RuntimeError, match="Cannot roll back 2 tokens: only 1"):
+        cache.trim(2)
+    assert cache.trim(1) == 1 and mx.array_equal(cache[0], fed(0))
+    cache.stop_speculation()
+    assert not cache.is_trimmable() and not cache.speculating
+
+
+def test_arrays_cache_rollback_window_drops_oldest():
+    cache = ArraysCache(1)
+    cache.start_speculation(rollback_window=3)
+    for i in range(6):
+        _decaying_sum_forward(cache, [mx.array([float(i), 0.0])])
+    assert cache._rollbacks.num_tokens == 3
+    with pytest.raises(RuntimeError, match="rollback window 3"):
+        cache.trim(4)
+
+
+def test_cache_list_speculation_reaches_children():
+    combined = CacheList(KVCache(), ArraysCache(1))
+    assert combined.needs_layer_records and not combined.is_trimmable()
+    combined.start_speculation()
+    assert combined.is_trimmable() and combined[1].speculating
+    combined.stop_speculation()
+    assert not combined[1].speculating

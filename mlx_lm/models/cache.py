@@ -4,9 +4,14 @@ Every cache entry implements the protocol of DESIGN.md §2: `state`/`meta_state`
 prompt-cache file stores), `from_state`, `is_trimmable()`, `trim(n)`, `size()`,
 `nbytes`, `empty()` and `make_mask(N)`. `trim` never clamps: removing more than the
 cache can give back is an error, because the layers of one model must stay in step.
+
+Speculative decoding needs every entry to give back the last few tokens. KV caches
+simply forget rows. A sliding window that has wrapped, and a recurrent state, cannot:
+between `start_speculation()` and `stop_speculation()` they keep a `RollbackLog` of
+the forwards they took part in, and `trim(n)` rewinds through it exactly.
 """
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -27,8 +32,66 @@ def _grow(buffer: Optional[mx.array], used: int, needed: int, like: mx.array, st
     return mx.concatenate([buffer[..., :used, :], spare], axis=2)
 
 
+# Default bound on what a speculating cache can rewind, in tokens.
+ROLLBACK_WINDOW = 64
+
+
+class RollbackLog:
+    """Newest-last records of the forwards a cache took part in while speculating.
+
+    A record is (num_tokens, rewind): `rewind(m)` puts the cache in the exact state it
+    had after only the first m of that forward's num_tokens tokens (m = 0: before it).
+    Records stack (a draft model adds one per single-token step). Once the newer records
+    alone cover `window` tokens the oldest is dropped, bounding what stays alive.
+    """
+
+    def __init__(self, window: int = ROLLBACK_WINDOW):
+        if window < 1:
+            raise ValueError(f"rollback window must be at least 1 token, got {window}")
+        self.window = window
+        self.records: List[Tuple[int, Callable[[int], None]]] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.records)
+
+    def push(self, num_tokens: int, rewind: Callable[[int], None]) -> None:
+        self.records.append((num_tokens, rewind))
+        while len(self.records) > 1 and self.num_tokens - self.records[0][0] >= self.window:
+            self.records.pop(0)
+
+    def rewind(self, n: int) -> None:
+        """Undo the last n tokens, newest record first; a partly undone record stays
+        as a shorter one (its rewind still reaches every shorter prefix)."""
+        if n > self.num_tokens:
+            raise RuntimeError(
+                f"Cannot roll back {n} tokens: only {self.num_tokens} are recorded "
+                f"(rollback window {self.window})"
+            )
+        while n > 0:
+            num_tokens, rewind = self.records.pop()
+            keep = max(num_tokens - n, 0)
+            rewind(keep)
+            if keep:
+                self.records.append((keep, rewind))
+            n -= num_tokens - keep
+
+
 class _BaseCache:
-    """The protocol; each cache class implements every method explicitly."""
+    """The protocol; each cache class implements every method explicitly.
+
+    `needs_layer_records`: the entry can only rewind while speculating if the model's
+    layers call `record_rollback` (a recurrent state); models whose layers do set
+    `supports_speculative_rollback = True`.
+    """
+
+    needs_layer_records = False
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        raise NotImplementedError
+
+    def stop_speculation(self) -> None:
+        raise NotImplementedError
 
     @property
     def state(self):
@@ -111,6 +174,12 @@ class KVCache(_BaseCache):
     def meta_state(self, value):
         pass
 
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        pass  # trimming already forgets exactly
+
+    def stop_speculation(self) -> None:
+        pass
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -142,6 +211,7 @@ class RotatingKVCache(_BaseCache):
     """
 
     step = 256
+    _rollbacks: Optional[RollbackLog] = None  # set while speculating
 
     def __init__(self, max_size: int, keep: int = 0):
         if not 0 <= keep < max_size:
@@ -182,9 +252,27 @@ class RotatingKVCache(_BaseCache):
         return mx.concatenate([mx.arange(self.keep), recent])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._rollbacks is not None:
+            self._rollbacks.push(keys.shape[2], self._rewinder(keys, values))
+        return self._append(keys, values)
+
+    def _append(self, keys: mx.array, values: mx.array):
         if keys.shape[2] == 1:
             return self._update_in_place(keys, values)
         return self._update_concat(keys, values)
+
+    def _rewinder(self, keys: mx.array, values: mx.array) -> Callable[[int], None]:
+        """Rewind to the window before this update, then re-append its first m tokens.
+        The buffers are never written in place (see _update_in_place), so holding
+        references is the snapshot: nothing is copied."""
+        before = (self.keys, self.values, self.offset, self._idx)
+
+        def rewind(m: int) -> None:
+            self.keys, self.values, self.offset, self._idx = before
+            if m:
+                self._append(keys[..., :m, :], values[..., :m, :])
+
+        return rewind
 
     def _update_in_place(self, keys: mx.array, values: mx.array):
         if self._idx == self.max_size:
@@ -193,8 +281,12 @@ class RotatingKVCache(_BaseCache):
             held = self.size()
             self.keys = _grow(self.keys, held, held + 1, keys, self.step, self.max_size)
             self.values = _grow(self.values, held, held + 1, values, self.step, self.max_size)
-        self.keys[..., self._idx : self._idx + 1, :] = keys
-        self.values[..., self._idx : self._idx + 1, :] = values
+        # slice_update makes a new array instead of mutating the shared one, so a
+        # rollback record holding the old buffer stays intact (MLX still reuses the
+        # memory when nothing else holds it).
+        at = mx.array([self._idx])
+        self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
+        self.values = mx.slice_update(self.values, values, at, axes=(2,))
         self._idx += 1
         self.offset += 1
         n = self.size()
@@ -247,12 +339,23 @@ class RotatingKVCache(_BaseCache):
     def meta_state(self, value):
         self.keep, self.max_size, self.offset, self._idx = map(int, value)
 
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        self._rollbacks = RollbackLog(rollback_window)
+
+    def stop_speculation(self) -> None:
+        self._rollbacks = None
+
     def is_trimmable(self) -> bool:
-        return not self.wrapped()
+        return self._rollbacks is not None or not self.wrapped()
 
     def trim(self, n: int) -> int:
+        """Forget the last n tokens: exactly through the rollback log while speculating
+        (also past the wrap), else by moving the write position before a wrap."""
         if n <= 0:
             return 0
+        if self._rollbacks is not None:
+            self._rollbacks.rewind(n)
+            return n
         if self.wrapped():
             raise RuntimeError(
                 f"Cannot trim a RotatingKVCache that has wrapped (offset {self.offset} > "
@@ -276,11 +379,45 @@ class ArraysCache(_BaseCache):
     """A fixed number of state arrays (e.g. a recurrent layer's conv and SSM state).
 
     The state after a token depends on every earlier token, so it cannot be trimmed by
-    dropping rows.
+    dropping rows. While speculating, the layer that owns it records how to rebuild
+    the state after any prefix of each forward (`record_rollback`), and `trim` uses
+    those records.
     """
+
+    needs_layer_records = True
+    _rollbacks: Optional[RollbackLog] = None  # set while speculating
 
     def __init__(self, size: int):
         self.cache: List[Optional[mx.array]] = [None] * size
+
+    @property
+    def speculating(self) -> bool:
+        """Whether layers should call record_rollback for their forwards."""
+        return self._rollbacks is not None
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        self._rollbacks = RollbackLog(rollback_window)
+
+    def stop_speculation(self) -> None:
+        self._rollbacks = None
+
+    def record_rollback(
+        self,
+        num_tokens: int,
+        fn: Callable[[int], List[Optional[mx.array]]],
+        snapshot: List[Optional[mx.array]],
+    ) -> None:
+        """Called by a layer during a speculative forward of num_tokens tokens:
+        `snapshot` holds the entries before it and `fn(m)` returns the exact entries
+        after only its first m tokens (0 < m < num_tokens)."""
+        if self._rollbacks is None:
+            raise RuntimeError("record_rollback called on an ArraysCache that is not speculating")
+        snapshot = list(snapshot)
+
+        def rewind(m: int) -> None:
+            self.cache = list(fn(m)) if m else list(snapshot)
+
+        self._rollbacks.push(num_tokens, rewind)
 
     def __getitem__(self, index: int) -> Optional[mx.array]:
         return self.cache[index]
@@ -311,12 +448,18 @@ class ArraysCache(_BaseCache):
         pass
 
     def is_trimmable(self) -> bool:
-        return False
+        return self._rollbacks is not None
 
     def trim(self, n: int) -> int:
         if n <= 0:
             return 0
-        raise RuntimeError("Cannot trim an ArraysCache: recurrent state has no per-token rows to drop")
+        if self._rollbacks is None:
+            raise RuntimeError(
+                "Cannot trim an ArraysCache outside speculation: recurrent state has no "
+                "per-token rows to drop"
+            )
+        self._rollbacks.rewind(n)
+        return n
 
     @property
     def nbytes(self) -> int:
@@ -359,6 +502,18 @@ class CacheList(_BaseCache):
     def from_state(cls, state, meta_state):
         class_names, metas = meta_state
         return cls(*(CACHE_CLASSES[n].from_state(s, m) for n, s, m in zip(class_names, state, metas)))
+
+    @property
+    def needs_layer_records(self) -> bool:
+        return any(c.needs_layer_records for c in self.caches)
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        for c in self.caches:
+            c.start_speculation(rollback_window)
+
+    def stop_speculation(self) -> None:
+        for c in self.caches:
+            c.stop_speculation()
 
     def is_trimmable(self) -> bool:
         return all(c.is_trimmable() for c in self.caches)
