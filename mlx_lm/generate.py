@@ -5,7 +5,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -54,6 +54,19 @@ def _flat_parameters(model: nn.Module):
 
 
 @dataclass
+class SpeculationStats:
+    """Counts of a speculative run: draft tokens proposed and accepted, target forwards."""
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_target_forwards: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
+@dataclass
 class GenerationResponse:
     """One step of `stream_generate`.
 
@@ -61,7 +74,8 @@ class GenerationResponse:
     the vocabulary for this step; from_draft: proposed by a draft model and accepted;
     prompt_tokens / prompt_tps: prompt size and prefill speed; generation_tokens /
     generation_tps: tokens so far and decode speed; peak_memory: GB;
-    finish_reason: "stop" (EOS), "length" (max_tokens) or None while generating.
+    finish_reason: "stop" (EOS), "length" (max_tokens) or None while generating;
+    speculation: draft counts so far when a draft model is used.
     """
 
     text: str
@@ -74,6 +88,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: Optional[str] = None
+    speculation: Optional[SpeculationStats] = None
 
 
 def _check_generation_args(prompt: mx.array, max_tokens: int, prefill_step_size: int) -> None:
@@ -173,6 +188,204 @@ def generate_step(
         y, logprobs = next_y, next_logprobs
 
 
+def check_same_vocabulary(model: nn.Module, draft_model: nn.Module) -> None:
+    target_vocab, draft_vocab = model.args.vocab_size, draft_model.args.vocab_size
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"Draft model vocabulary ({draft_vocab}) != target vocabulary ({target_vocab}); "
+            "the draft must share the target's tokenizer"
+        )
+
+
+def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str) -> None:
+    """Every entry must be able to give back rejected tokens: trimmable caches, caches
+    that record themselves (sliding windows), or recurrent states whose model's layers
+    record rollbacks (`supports_speculative_rollback`)."""
+    # Models written for upstream mlx-lm do not declare the attribute: they don't record.
+    layers_record = getattr(type(model), "supports_speculative_rollback", False)
+    blocked = sorted({type(c).__name__ for c in prompt_cache if c.needs_layer_records and not layers_record})
+    if blocked:
+        raise ValueError(
+            f"Speculative decoding needs every cache of the {role} ({type(model).__module__}) "
+            f"to roll back, but {', '.join(blocked)} entries cannot: its layers do not record rollbacks"
+        )
+
+
+def _split_prompt_cache(prompt_cache, model, draft_model, max_kv_size):
+    """(target cache, draft cache): fresh, or split from one list (target layers first)."""
+    if prompt_cache is None:
+        return (cache.make_prompt_cache(model, max_kv_size), cache.make_prompt_cache(draft_model, max_kv_size))
+    if max_kv_size is not None:
+        raise ValueError("max_kv_size cannot be combined with a prompt_cache; size the cache when making it")
+    num_target, num_draft = len(model.layers), len(draft_model.layers)
+    if len(prompt_cache) != num_target + num_draft:
+        raise ValueError(
+            f"prompt_cache has {len(prompt_cache)} entries; speculation needs the target's "
+            f"{num_target} followed by the draft's {num_draft}"
+        )
+    return prompt_cache[:num_target], prompt_cache[num_target:]
+
+
+def verify(
+    model: nn.Module,
+    tokens: mx.array,
+    prompt_cache: List[Any],
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
+    history: List[int],
+    drafts: List[int],
+) -> Tuple[List[int], mx.array]:
+    """One target forward over `tokens` (ending with the drafts); sample the target's
+    own token after each of the last len(drafts) + 1 positions.
+    Returns (tokens, logprobs (len(drafts) + 1, V))."""
+    logits = model(tokens[None], cache=prompt_cache)[0, -(len(drafts) + 1) :]
+    if logits_processors:
+        rows = []
+        for i in range(len(drafts) + 1):
+            row, seen = logits[i : i + 1], mx.array(history + drafts[:i])
+            for processor in logits_processors:
+                row = processor(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sampler(logprobs).tolist(), logprobs
+
+
+def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
+    """How many leading drafts equal the target's own choices."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
+def sync_cache(model: nn.Module, prompt_cache: List[Any], num_held: int, tokens: List[int]) -> None:
+    """Make a cache that holds tokens[:num_held] (or more) hold exactly `tokens`."""
+    if num_held > len(tokens):
+        cache.trim_prompt_cache(prompt_cache, num_held - len(tokens))
+    elif num_held < len(tokens):
+        model(mx.array(tokens[num_held:])[None], cache=prompt_cache)
+        mx.eval([c.state for c in prompt_cache])
+
+
+def speculative_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    draft_model: nn.Module,
+    *,
+    num_draft_tokens: int = 2,
+    max_tokens: int = 256,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    prefill_step_size: int = 512,
+    max_kv_size: Optional[int] = None,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    stats: Optional[SpeculationStats] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Yield (token, logprobs, from_draft): the target's tokens, several per target
+    forward when the draft guesses them.
+
+    Each round the draft proposes up to `num_draft_tokens`, one target forward scores
+    them all, the longest prefix equal to the target's own samples is accepted and the
+    target's next token follows it. Every emitted token is the target's choice, so greedy
+    output equals `generate_step`'s. Rejected tokens are rolled back exactly on every
+    cache kind (DESIGN.md §2). `prompt_cache` is the target's entries followed by the
+    draft's. When the generator finishes or is closed, both caches hold the prompt and
+    every yielded token, exactly as after `generate_step`; after an exception they hold
+    that sequence minus its last token. `stats` (optional) receives the counts.
+    """
+    _check_generation_args(prompt, max_tokens, prefill_step_size)
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
+    check_same_vocabulary(model, draft_model)
+    target_cache, draft_cache = _split_prompt_cache(prompt_cache, model, draft_model, max_kv_size)
+    check_can_speculate(model, target_cache, "target model")
+    check_can_speculate(draft_model, draft_cache, "draft model")
+    sampler = sampler or make_sampler()
+    processors = logits_processors or []
+    stats = stats if stats is not None else SpeculationStats()
+    progress = prompt_progress_callback or (lambda done, total: None)
+
+    prefill(draft_model, prompt, draft_cache, prefill_step_size, lambda done, total: None)
+    prefill(model, prompt, target_cache, prefill_step_size, progress)
+    sequence = prompt.tolist()  # the prompt, then every token the target committed to
+    num_prompt = len(sequence)
+    target_len = draft_len = num_prompt - 1  # tokens of `sequence` each cache holds
+    num_yielded = target_fed = draft_fed = 0
+    for c in target_cache + draft_cache:
+        c.start_speculation(rollback_window=num_draft_tokens + 1)
+    clean_stop = False
+    try:
+        while max_tokens == -1 or num_yielded < max_tokens:
+            # Round counters first: `finally` undoes exactly what this round fed.
+            target_fed = draft_fed = 0
+            remaining = num_draft_tokens + 1 if max_tokens == -1 else max_tokens - num_yielded
+            num_draft = min(num_draft_tokens, remaining - 1)
+
+            # Draft: catch up on committed tokens, then propose num_draft.
+            draft_input, drafts = mx.array(sequence[draft_len:]), []
+            for _ in range(num_draft):
+                history = mx.concatenate([mx.array(sequence), *drafts]) if processors else None
+                token, _ = sample_next(draft_model, draft_input, draft_cache, sampler, processors, history)
+                draft_fed += draft_input.size
+                drafts.append(token)
+                draft_input = token
+            drafts = mx.concatenate(drafts).tolist() if drafts else []
+
+            # Verify all drafts in one target forward, accept the agreeing prefix.
+            targets, logprobs = verify(
+                model, mx.array(sequence[target_len:] + drafts), target_cache, sampler,
+                processors, sequence, drafts,
+            )
+            target_fed = len(sequence) - target_len + len(drafts)
+            num_accepted = accepted_prefix(drafts, targets)
+
+            # Rewind both caches to what the target accepted, then commit.
+            target_keep = min(target_fed, len(sequence) - target_len + num_accepted)
+            draft_keep = min(draft_fed, len(sequence) - draft_len + num_accepted)
+            cache.trim_prompt_cache(target_cache, target_fed - target_keep)
+            cache.trim_prompt_cache(draft_cache, draft_fed - draft_keep)
+            target_len, draft_len = target_len + target_keep, draft_len + draft_keep
+            target_fed = draft_fed = 0
+            new_tokens = drafts[:num_accepted] + [targets[num_accepted]]
+            sequence += new_tokens
+            stats.num_drafted += num_draft
+            stats.num_accepted += num_accepted
+            stats.num_target_forwards += 1
+
+            for i, token in enumerate(new_tokens):
+                num_yielded += 1
+                yield token, logprobs[i], i < num_accepted
+        clean_stop = True
+    except GeneratorExit:
+        clean_stop = True  # closed by the consumer at a yield
+        raise
+    finally:
+        _finish_speculation(
+            model, draft_model, target_cache, draft_cache, (target_len, target_fed),
+            (draft_len, draft_fed), sequence[: num_prompt + num_yielded], clean_stop,
+        )
+
+
+def _finish_speculation(model, draft_model, target_cache, draft_cache, target, draft, delivered, clean_stop):
+    """Undo the unfinished round; after a clean stop also bring both caches to exactly
+    the delivered tokens. After an exception nothing may mask it, so rewinding is
+    best effort and no model runs."""
+    try:
+        for prompt_cache, (held, fed) in ((target_cache, target), (draft_cache, draft)):
+            cache.trim_prompt_cache(prompt_cache, fed)
+        if clean_stop:
+            sync_cache(model, target_cache, target[0], delivered)
+            sync_cache(draft_model, draft_cache, draft[0], delivered)
+    except Exception:
+        if clean_stop:
+            raise
+    finally:
+        for c in target_cache + draft_cache:
+            c.stop_speculation()
+
+
 def _encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, List[int], mx.array]) -> mx.array:
     if isinstance(prompt, str):
         # Chat templates already start with BOS; adding another would shift the model.
@@ -187,21 +400,51 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, List[int], mx.array],
     max_tokens: int = 256,
+    draft_model: Optional[nn.Module] = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
-    """Generate text, yielding a GenerationResponse per token (see `generate_step` for
-    kwargs). Stops at an EOS token or after `max_tokens`; the last response carries
-    the finish_reason."""
+    """Generate text, yielding a GenerationResponse per token. kwargs go to
+    `generate_step`, or with a `draft_model` to `speculative_generate_step`
+    (`num_draft_tokens` among them). Stops at an EOS token or after `max_tokens`; the
+    last response carries the finish_reason. When it stops, a passed `prompt_cache`
+    holds the prompt and every generated token."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode_prompt(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
-    token_generator = generate_step(prompt, model, max_tokens=max_tokens, **kwargs)
+    stats = None
+    if draft_model is None:
+        if "num_draft_tokens" in kwargs:
+            raise ValueError("num_draft_tokens needs a draft_model")
+        token_generator = (
+            (token, logprobs, False)
+            for token, logprobs in generate_step(prompt, model, max_tokens=max_tokens, **kwargs)
+        )
+    else:
+        stats = SpeculationStats()
+        token_generator = speculative_generate_step(
+            prompt, model, draft_model, max_tokens=max_tokens, stats=stats, **kwargs
+        )
 
-    with wired_limit(model):
+    def response(token, logprobs, from_draft, n, finish_reason=None):
+        return GenerationResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=logprobs,
+            from_draft=from_draft,
+            prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
+            generation_tps=(n + 1) / (time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+            speculation=None if stats is None else replace(stats),
+        )
+
+    with wired_limit(model), contextlib.closing(token_generator):
         tic = time.perf_counter()
         finish_reason = None
-        for n, (token, logprobs) in enumerate(token_generator):
+        for n, (token, logprobs, from_draft) in enumerate(token_generator):
             if n == 0:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
@@ -213,30 +456,10 @@ def stream_generate(
                     finish_reason = "length"
             if finish_reason is not None:
                 break
-            yield GenerationResponse(
-                text=detokenizer.last_segment,
-                token=token,
-                logprobs=logprobs,
-                from_draft=False,
-                prompt_tokens=prompt.size,
-                prompt_tps=prompt_tps,
-                generation_tokens=n + 1,
-                generation_tps=(n + 1) / (time.perf_counter() - tic),
-                peak_memory=mx.get_peak_memory() / 1e9,
-            )
-        detokenizer.finalize()
-        yield GenerationResponse(
-            text=detokenizer.last_segment,
-            token=token,
-            logprobs=logprobs,
-            from_draft=False,
-            prompt_tokens=prompt.size,
-            prompt_tps=prompt_tps,
-            generation_tokens=n + 1,
-            generation_tps=(n + 1) / (time.perf_counter() - tic),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish_reason,
-        )
+            yield response(token, logprobs, from_draft, n)
+    # Closed above, so caches are settled before the last response goes out.
+    detokenizer.finalize()
+    yield response(token, logprobs, from_draft, n, finish_reason)
 
 
 def generate(
@@ -262,6 +485,13 @@ def generate(
             print("No text generated for this prompt")
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+        if response.speculation is not None:
+            spec = response.speculation
+            per_forward = response.generation_tokens / max(spec.num_target_forwards, 1)
+            print(
+                f"Speculation: {spec.num_accepted}/{spec.num_drafted} draft tokens accepted "
+                f"({spec.acceptance_rate:.1%}), {per_forward:.2f} tokens per target forward"
+            )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
 
@@ -321,6 +551,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Print the text as it streams plus speed and memory (true/false)")
     parser.add_argument("--max-kv-size", type=positive_int, default=None,
                         help="Bound every KV cache to this many tokens (keeps the first 4)")
+    parser.add_argument("--draft-model", type=str, default=None,
+                        help="A smaller model sharing the tokenizer, for speculative decoding")
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
+                        help="Tokens the draft model proposes per target forward")
     return parser
 
 
@@ -344,6 +578,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         from .utils import load
 
         model, tokenizer = load(args.model)
+        draft_kwargs = {}
+        if args.draft_model is not None:
+            draft_model, _ = load(args.draft_model)
+            draft_kwargs = dict(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens)
         for token in args.extra_eos_token:
             tokenizer.add_eos_token(int(token) if token.isdigit() else token)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
@@ -358,7 +596,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         )
         text = generate(
             model, tokenizer, prompt_tokens, verbose=args.verbose, max_tokens=args.max_tokens,
-            sampler=sampler, max_kv_size=args.max_kv_size,
+            sampler=sampler, max_kv_size=args.max_kv_size, **draft_kwargs,
         )
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")

@@ -243,6 +243,10 @@ class Backbone(nn.Module):
 
 
 class Model(nn.Module):
+    # Speculation rolls back exactly: the sliding layers' RotatingKVCaches record their
+    # own pre-forward windows, the full layers' KVCaches trim.
+    supports_speculative_rollback = True
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
