@@ -362,28 +362,27 @@ def speculative_generate_step(
         clean_stop = True  # closed by the consumer at a yield
         raise
     finally:
-        _finish_speculation(
-            model, draft_model, target_cache, draft_cache, (target_len, target_fed),
-            (draft_len, draft_fed), sequence[: num_prompt + num_yielded], clean_stop,
-        )
+        sides = [(model, target_cache, target_len, target_fed), (draft_model, draft_cache, draft_len, draft_fed)]
+        _finish_speculation(sides, sequence[: num_prompt + num_yielded], clean_stop)
 
 
-def _finish_speculation(model, draft_model, target_cache, draft_cache, target, draft, delivered, clean_stop):
-    """Undo the unfinished round; after a clean stop also bring both caches to exactly
-    the delivered tokens. After an exception nothing may mask it, so rewinding is
-    best effort and no model runs."""
+def _finish_speculation(sides, delivered: List[int], clean_stop: bool) -> None:
+    """Undo the unfinished round of each side (model, cache, tokens held, tokens fed this
+    round); after a clean stop also bring both caches to exactly the delivered tokens.
+    After an exception nothing may mask it: rewinding is best effort, no model runs."""
     try:
-        for prompt_cache, (held, fed) in ((target_cache, target), (draft_cache, draft)):
-            cache.trim_prompt_cache(prompt_cache, fed)
+        for _, prompt_cache, _, num_fed in sides:
+            cache.trim_prompt_cache(prompt_cache, num_fed)
         if clean_stop:
-            sync_cache(model, target_cache, target[0], delivered)
-            sync_cache(draft_model, draft_cache, draft[0], delivered)
+            for side_model, prompt_cache, num_held, _ in sides:
+                sync_cache(side_model, prompt_cache, num_held, delivered)
     except Exception:
         if clean_stop:
             raise
     finally:
-        for c in target_cache + draft_cache:
-            c.stop_speculation()
+        for _, prompt_cache, _, _ in sides:
+            for c in prompt_cache:
+                c.stop_speculation()
 
 
 def _encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, List[int], mx.array]) -> mx.array:
