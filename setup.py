@@ -40,6 +40,8 @@ setup(
         "console_scripts": [
             "mlx_lm = mlx_lm.cli:main",
             "mlx_lm.generate = mlx_lm.generate:main",
+            "mlx_lm.convert = mlx_lm.convert:main",
+            "mlx_lm.cache_prompt = mlx_lm.cache_prompt:main",
         ]
     },
 )

@@ -8,6 +8,8 @@ from ._version import __version__
 # Command name -> module whose main() parses the remaining arguments.
 COMMANDS = {
     "generate": "mlx_lm.generate",
+    "convert": "mlx_lm.convert",
+    "cache_prompt": "mlx_lm.cache_prompt",
 }
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -26,6 +27,7 @@ DEFAULT_XTC_THRESHOLD = 0.1
 DEFAULT_MIN_TOKENS_TO_KEEP = 1
 DEFAULT_SEED = None
 DEFAULT_MODEL = "mlx-community/Llama-3.2-3B-Instruct-4bit"
+DEFAULT_QUANTIZED_KV_START = 5000
 
 
 @contextlib.contextmanager
@@ -106,13 +108,17 @@ def prefill(
     prompt_cache: List[Any],
     prefill_step_size: int,
     progress: Callable[[int, int], None],
+    quantize_kv: Optional[Callable[[List[Any]], None]] = None,
 ) -> mx.array:
     """Feed all prompt tokens but the last through the model in chunks; return the
-    tokens still to feed (the last one, whose logits start generation)."""
+    tokens still to feed (the last one, whose logits start generation).
+    `quantize_kv(prompt_cache)` runs after each chunk (see maybe_quantize_kv_cache)."""
     total = prompt.size
     while prompt.size > 1:
         n = min(prefill_step_size, prompt.size - 1)
         model(prompt[:n][None], cache=prompt_cache)
+        if quantize_kv is not None:
+            quantize_kv(prompt_cache)
         mx.eval([c.state for c in prompt_cache])
         prompt = prompt[n:]
         progress(total - prompt.size, total)
@@ -136,6 +142,19 @@ def sample_next(
     return sampler(logprobs), logprobs.squeeze(0)
 
 
+def maybe_quantize_kv_cache(
+    prompt_cache: List[Any], quantized_kv_start: int, kv_group_size: int, kv_bits: Optional[int]
+) -> None:
+    """With `kv_bits` set, replace in place every KVCache entry holding at least
+    `quantized_kv_start` tokens by its QuantizedKVCache. Recurrent (ArraysCache) and
+    already quantized entries stay; a RotatingKVCache cannot be quantized (ValueError)."""
+    if kv_bits is None:
+        return
+    for i, entry in enumerate(prompt_cache):
+        if isinstance(entry, (cache.KVCache, cache.RotatingKVCache)) and entry.offset >= quantized_kv_start:
+            prompt_cache[i] = entry.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
 def generate_step(
     prompt: mx.array,
     model: nn.Module,
@@ -146,6 +165,9 @@ def generate_step(
     max_kv_size: Optional[int] = None,
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 2048,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) for each generated token.
@@ -154,19 +176,28 @@ def generate_step(
     is pipelined: the forward of each token is queued before the token is yielded, so
     after every yield `prompt_cache` holds the prompt and every token yielded so far. `max_tokens=-1` generates without limit.
     Logits processors see the whole prompt plus the tokens generated so far.
+    With `kv_bits`, each KVCache becomes a `kv_bits`-bit QuantizedKVCache (groups of
+    `kv_group_size`) once it holds `quantized_kv_start` tokens, checked after every
+    prefill chunk and every step.
     """
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if prompt_cache is None:
         prompt_cache = cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     elif max_kv_size is not None:
         raise ValueError("max_kv_size cannot be combined with a prompt_cache; size the cache when making it")
+    if kv_bits is not None:
+        cache.check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
+    quantize_kv = functools.partial(
+        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
+    )
     sampler = sampler or make_sampler()
     logits_processors = logits_processors or []
     history = prompt if logits_processors else None
     progress = prompt_progress_callback or (lambda done, total: None)
 
-    remaining = prefill(model, prompt, prompt_cache, prefill_step_size, progress)
+    remaining = prefill(model, prompt, prompt_cache, prefill_step_size, progress, quantize_kv)
     y, logprobs = sample_next(model, remaining, prompt_cache, sampler, logits_processors, history)
+    quantize_kv(prompt_cache)
     mx.async_eval(y, logprobs)
     num_generated = 0
     while True:
@@ -175,6 +206,7 @@ def generate_step(
         if history is not None:
             history = mx.concatenate([history, y])
         next_y, next_logprobs = sample_next(model, y, prompt_cache, sampler, logits_processors, history)
+        quantize_kv(prompt_cache)
         mx.async_eval(next_y, next_logprobs)
         if num_generated == 0:
             mx.eval(y)
@@ -550,6 +582,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Print the text as it streams plus speed and memory (true/false)")
     parser.add_argument("--max-kv-size", type=positive_int, default=None,
                         help="Bound every KV cache to this many tokens (keeps the first 4)")
+    parser.add_argument("--prompt-cache-file", default=None,
+                        help="Continue from a prompt cache made by mlx_lm.cache_prompt for this model")
+    parser.add_argument("--kv-bits", type=int, default=None, help="Quantize the KV cache to this many bits")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                        help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
     parser.add_argument("--draft-model", type=str, default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
@@ -584,10 +622,21 @@ def main(argv: Optional[List[str]] = None) -> None:
         for token in args.extra_eos_token:
             tokenizer.add_eos_token(int(token) if token.isdigit() else token)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-        prompt_tokens = build_prompt(
-            tokenizer, prompt, args.system_prompt, not args.ignore_chat_template,
-            args.chat_template_config or {},
-        )
+        def format_prompt(text: str) -> List[int]:
+            return build_prompt(tokenizer, text, args.system_prompt, not args.ignore_chat_template,
+                                args.chat_template_config or {})
+
+        cache_kwargs = {}
+        if args.kv_bits is not None:
+            cache_kwargs.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                                quantized_kv_start=args.quantized_kv_start)
+        if args.prompt_cache_file is None:
+            prompt_tokens = format_prompt(prompt)
+        else:
+            from .cache_prompt import load_cached_prompt
+
+            cached = load_cached_prompt(args.prompt_cache_file, model, args.model)
+            cache_kwargs["prompt_cache"], prompt_tokens = cached.resume(tokenizer, prompt, format_prompt)
         sampler = make_sampler(
             args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
             xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
@@ -595,7 +644,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         )
         text = generate(
             model, tokenizer, prompt_tokens, verbose=args.verbose, max_tokens=args.max_tokens,
-            sampler=sampler, max_kv_size=args.max_kv_size, **draft_kwargs,
+            sampler=sampler, max_kv_size=args.max_kv_size, **draft_kwargs, **cache_kwargs,
         )
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")

@@ -2,7 +2,7 @@
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -77,9 +77,56 @@ def scaled_dot_product_attention(
     """Attention over (B, H, N, D) queries and (B, H_kv, S, D) keys/values -> (B, H, N, D).
 
     `sinks` (H,) are learned per-head logits that join the softmax without a value
-    (gpt-oss). `cache` is accepted for upstream compatibility; quantized caches route
-    elsewhere.
+    (gpt-oss). With a QuantizedKVCache, keys and values are its (packed, scales,
+    biases) triples and attention runs on them with quantized matmuls.
     """
+    from .cache import QuantizedKVCache  # cache.py imports this module
+
+    if isinstance(cache, QuantizedKVCache):
+        return quantized_scaled_dot_product_attention(
+            queries, keys, values, scale, mask, cache.group_size, cache.bits, sinks=sinks
+        )
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
+
+
+def quantized_scaled_dot_product_attention(
+    queries: mx.array,
+    q_keys: Tuple[mx.array, mx.array, mx.array],
+    q_values: Tuple[mx.array, mx.array, mx.array],
+    scale: float,
+    mask: Optional[mx.array],
+    group_size: int,
+    bits: int,
+    sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """Attention of (B, H, N, D) queries over affine-quantized keys/values -> (B, H, N, D).
+
+    q_keys, q_values: (packed (B, H_kv, S, D*bits/32), scales, biases (B, H_kv, S,
+    D/group_size)). Query heads are grouped per KV head so the quantized tensors are
+    never repeated or dequantized; mask is boolean (True = attend) or additive.
+    """
+    B, H, N, D = queries.shape
+    H_kv = q_keys[0].shape[1]
+    repeats = H // H_kv
+    queries = (queries * scale).reshape(B, H_kv, repeats, N, D)
+    q_keys = tuple(mx.expand_dims(t, 2) for t in q_keys)  # (B, H_kv, 1, S, .)
+    q_values = tuple(mx.expand_dims(t, 2) for t in q_values)
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    if mask is not None:  # (N, S) or (B, 1 or H, N, S)
+        if mask.ndim == 4:
+            mask = mask.reshape(mask.shape[0], -1, mask.shape[1] // H_kv or 1, *mask.shape[2:])
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is not None:  # one extra logit per head, with no value
+        sink_logits = sinks.astype(scores.dtype).reshape(1, H_kv, repeats, 1, 1)
+        sink_logits = mx.broadcast_to(sink_logits, (B, H_kv, repeats, N, 1))
+        scores = mx.concatenate([sink_logits, scores], axis=-1)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    if sinks is not None:
+        weights = weights[..., 1:]
+    out = mx.quantized_matmul(weights, *q_values, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, H, N, D)  # (B, H_kv, repeats, N, D) -> (B, H, N, D)

@@ -199,6 +199,14 @@ class KVCache(_BaseCache):
     def empty(self) -> bool:
         return self.keys is None
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
+        """A QuantizedKVCache holding these tokens (each row quantized on its own, so
+        quantizing now or token by token gives the same result)."""
+        quantized = QuantizedKVCache(group_size, bits)
+        if self.keys is not None and self.offset:
+            quantized.update_and_fetch(*self.state)
+        return quantized
+
 
 class RotatingKVCache(_BaseCache):
     """At most `max_size` tokens: the first `keep` (attention sinks) plus the most recent.
@@ -373,6 +381,12 @@ class RotatingKVCache(_BaseCache):
 
     def empty(self) -> bool:
         return self.keys is None
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
+        raise ValueError(
+            "A RotatingKVCache (--max-kv-size, sliding-window layers) cannot be quantized; "
+            "drop --kv-bits or --max-kv-size"
+        )
 
 
 class ArraysCache(_BaseCache):
@@ -565,3 +579,268 @@ def trim_prompt_cache(cache: List[Any], num_tokens: int) -> int:
     for c in cache:
         c.trim(num_tokens)
     return num_tokens
+
+
+# ---------------------------------------------------------------------------
+# Quantized KV cache.
+
+# What MLX's affine quantization accepts.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv_quantization_params(group_size: int, bits: int) -> None:
+    if bits not in KV_BITS:
+        raise ValueError(f"KV cache quantization supports bits {list(KV_BITS)}, got kv_bits={bits}")
+    if group_size not in KV_GROUP_SIZES:
+        raise ValueError(
+            f"KV cache quantization supports group sizes {list(KV_GROUP_SIZES)}, got kv_group_size={group_size}"
+        )
+
+
+class QuantizedKVCache(_BaseCache):
+    """Keys and values quantized along the head dimension as they arrive.
+
+    Each of keys and values is a (packed, scales, biases) triple: uint32
+    (B, H_kv, T, D * bits / 32) and (B, H_kv, T, D / group_size) twice, grown in blocks
+    of `step`. Each token row is quantized once, on its own. Attention reads the triples
+    with quantized matmuls (`base.quantized_scaled_dot_product_attention`).
+    """
+
+    step = 256
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        check_kv_quantization_params(group_size, bits)
+        self.group_size = group_size
+        self.bits = bits
+        self.keys: Optional[Tuple[mx.array, ...]] = None
+        self.values: Optional[Tuple[mx.array, ...]] = None
+        self.offset = 0
+
+    def _quantize(self, rows: mx.array) -> Tuple[mx.array, ...]:
+        if rows.shape[-1] % self.group_size:
+            raise ValueError(
+                f"kv_group_size {self.group_size} does not divide the head dimension {rows.shape[-1]}; "
+                f"choose one of {[g for g in KV_GROUP_SIZES if rows.shape[-1] % g == 0] or 'none: keep the cache float'}"
+            )
+        return tuple(mx.quantize(rows, group_size=self.group_size, bits=self.bits))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Quantize and append (B, H_kv, S, D) keys/values; return both triples up to offset."""
+        start, end = self.offset, self.offset + keys.shape[2]
+        new_keys, new_values = self._quantize(keys), self._quantize(values)
+        if self.keys is None or end > self.keys[0].shape[2]:
+            old_keys, old_values = self.keys or (None,) * 3, self.values or (None,) * 3
+            self.keys = tuple(_grow(b, start, end, n, self.step) for b, n in zip(old_keys, new_keys))
+            self.values = tuple(_grow(b, start, end, n, self.step) for b, n in zip(old_values, new_values))
+        for buffer, rows in zip(self.keys + self.values, new_keys + new_values):
+            buffer[..., start:end, :] = rows
+        self.offset = end
+        return self._upto(self.keys, end), self._upto(self.values, end)
+
+    @staticmethod
+    def _upto(triple: Tuple[mx.array, ...], end: int) -> Tuple[mx.array, ...]:
+        return tuple(t[..., :end, :] for t in triple)
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+        if num_queries == 1 and (window_size is None or self.offset < window_size):
+            return None
+        return create_causal_mask(num_queries, self.offset, window_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return self._upto(self.keys, self.offset), self._upto(self.values, self.offset)
+
+    @state.setter
+    def state(self, value):
+        self.keys, self.values = (tuple(value[0]), tuple(value[1])) if len(value) else (None, None)
+        self.offset = 0 if self.keys is None else self.keys[0].shape[2]
+
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.offset, self.group_size, self.bits)))
+
+    @meta_state.setter
+    def meta_state(self, value):
+        offset, group_size, bits = map(int, value)
+        check_kv_quantization_params(group_size, bits)
+        held = 0 if self.keys is None else self.keys[0].shape[2]
+        if offset > held:
+            raise ValueError(f"QuantizedKVCache offset {offset} exceeds the {held} rows it holds")
+        self.offset, self.group_size, self.bits = offset, group_size, bits
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        pass  # trimming already forgets exactly
+
+    def stop_speculation(self) -> None:
+        pass
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        if n > self.offset:
+            raise ValueError(f"Cannot trim {n} tokens from a QuantizedKVCache holding {self.offset}")
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else sum(t.nbytes for t in self.keys + self.values)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+CACHE_CLASSES[QuantizedKVCache.__name__] = QuantizedKVCache
+
+
+def check_kv_quantization(prompt_cache: List[Any], group_size: int, bits: int, quantized_kv_start: int) -> None:
+    """Validate KV quantization options against a cache before any work is done."""
+    check_kv_quantization_params(group_size, bits)
+    if quantized_kv_start < 0:
+        raise ValueError(f"quantized_kv_start must be >= 0, got {quantized_kv_start}")
+    for c in prompt_cache:
+        if isinstance(c, RotatingKVCache):
+            c.to_quantized(group_size, bits)  # raises: not supported
+        if isinstance(c, QuantizedKVCache) and (c.group_size, c.bits) != (group_size, bits):
+            raise ValueError(
+                f"The prompt cache is quantized with kv_bits={c.bits}, kv_group_size={c.group_size}; "
+                f"it cannot continue with kv_bits={bits}, kv_group_size={group_size}"
+            )
+
+
+# ---------------------------------------------------------------------------
+# Prompt-cache files (upstream's layout).
+#
+# One safetensors file. Tensors: the entries' states flattened with dotted keys,
+# "<layer>.<i>[.<j>]". String metadata: "0.<layer>[.<i>...]" the meta states, "1.<key>"
+# the user's metadata, "2.<layer>" the class names. An ArraysCache is stored as
+# upstream does since #1632: ([arrays], left_padding, lengths), an empty array standing
+# for None. Loading resolves class names through CACHE_CLASSES only and never runs code.
+
+_EMPTY = mx.array([], dtype=mx.float32)
+
+
+def _flatten(tree, prefix: str) -> dict:
+    """Nested lists/tuples -> {dotted key: leaf}: ([a, b], c) -> {"p.0.0": a, "p.0.1": b, "p.1": c}."""
+    if isinstance(tree, (list, tuple)):
+        flat = {}
+        for i, subtree in enumerate(tree):
+            flat.update(_flatten(subtree, f"{prefix}.{i}"))
+        return flat
+    return {prefix: tree}
+
+
+def _unflatten(flat: dict):
+    """Inverse of _flatten below one prefix: {"": leaf} -> leaf, {"0.0": a, "1": b} -> [[a], b]."""
+    if "" in flat:
+        if len(flat) > 1:
+            raise ValueError(f"an entry is both a leaf and a list: {sorted(flat)}")
+        return flat[""]
+    children: dict = {}
+    for key, value in flat.items():
+        head, _, rest = key.partition(".")
+        if not head.isdigit():
+            raise ValueError(f"key part {head!r} is not an index")
+        children.setdefault(int(head), {})[rest] = value
+    if sorted(children) != list(range(len(children))):
+        raise ValueError(f"indices {sorted(children)} are not 0..{len(children) - 1}")
+    return [_unflatten(children[i]) for i in range(len(children))]
+
+
+def _file_state(entry: _BaseCache):
+    if isinstance(entry, CacheList):
+        return [_file_state(c) for c in entry.caches]
+    if isinstance(entry, ArraysCache):
+        return [[_EMPTY if a is None else a for a in entry.state], _EMPTY, _EMPTY]
+    return entry.state
+
+
+def _from_file(class_name: str, state, meta_state) -> _BaseCache:
+    if class_name not in CACHE_CLASSES:
+        raise ValueError(f"unknown cache class {class_name!r}; known classes: {', '.join(sorted(CACHE_CLASSES))}")
+    cls = CACHE_CLASSES[class_name]
+    if not isinstance(state, list):
+        raise ValueError(f"a {class_name} state must be a list of arrays, got one array")
+    if cls is CacheList:
+        class_names, metas = meta_state
+        if not len(class_names) == len(metas) == len(state):
+            raise ValueError(f"CacheList of {len(class_names)} classes, {len(metas)} metas, {len(state)} states")
+        return CacheList(*(_from_file(n, s, m) for n, s, m in zip(class_names, state, metas)))
+    if cls is ArraysCache:
+        if state and isinstance(state[0], list):  # ([arrays], left_padding, lengths)
+            if any(extra.size for extra in state[1:]):
+                raise ValueError("batched ArraysCache entries (left padding, lengths) are not supported")
+            state = state[0]
+        state = [None if a.size == 0 else a for a in state]
+    return cls.from_state(state, meta_state)
+
+
+def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[dict] = None) -> None:
+    """Save a prompt cache and string `metadata` to one safetensors file (upstream's
+    layout; MLX appends ".safetensors" to a name without it)."""
+    metadata = metadata or {}
+    bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
+    if bad:
+        raise ValueError(f"Prompt cache metadata must map strings to strings; got {bad!r}")
+    tensors = {}
+    strings = {f"1.{k}": v for k, v in metadata.items()}
+    for i, entry in enumerate(cache):
+        tensors.update(_flatten(_file_state(entry), str(i)))
+        strings.update(_flatten(entry.meta_state, f"0.{i}"))
+        strings[f"2.{i}"] = type(entry).__name__
+    mx.save_safetensors(str(file_name), tensors, strings)
+
+
+def load_prompt_cache(file_name: str, return_metadata: bool = False):
+    """Load a prompt cache (and, with `return_metadata`, its user metadata) saved by
+    `save_prompt_cache` or upstream mlx-lm. A malformed file raises ValueError."""
+    try:
+        tensors, strings = mx.load(str(file_name), return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ValueError(f"Could not read prompt cache file {file_name}: {e}") from None
+    if not isinstance(tensors, dict):
+        raise ValueError(f"Prompt cache file {file_name} is not a safetensors file")
+    by_section: dict = {"0": {}, "1": {}, "2": {}}
+    for key, value in strings.items():
+        section, _, rest = key.partition(".")
+        if section in by_section:
+            by_section[section][rest] = value
+    try:
+        class_names = _unflatten(by_section["2"])
+        meta_states = _unflatten(by_section["0"])
+        per_layer: dict = {i: {} for i in range(len(class_names))}
+        for key, tensor in tensors.items():
+            layer, _, rest = key.partition(".")
+            if not (layer.isdigit() and int(layer) in per_layer):
+                raise ValueError(f"tensor {key!r} belongs to no cache entry")
+            per_layer[int(layer)][rest] = tensor
+    except ValueError as e:
+        raise ValueError(f"Malformed prompt cache file {file_name}: {e}") from None
+    if not (isinstance(class_names, list) and isinstance(meta_states, list)):
+        raise ValueError(
+            f"Malformed prompt cache file {file_name}: {len(class_names)} class names and no list of "
+            'meta states (expected "2.<layer>" and "0.<layer>" keys)'
+        )
+    if not class_names or len(meta_states) != len(class_names):
+        raise ValueError(
+            f"Malformed prompt cache file {file_name}: {len(class_names)} class names and "
+            f"{len(meta_states)} meta states (expected one of each per layer, at least one layer)"
+        )
+    cache = []
+    for i, (name, meta) in enumerate(zip(class_names, meta_states)):
+        try:
+            cache.append(_from_file(name, _unflatten(per_layer[i]), meta))
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
+            raise ValueError(f"Malformed prompt cache file {file_name}: entry {i} ({name!r}): {e}") from None
+    if return_metadata:
+        return cache, by_section["1"]
+    return cache

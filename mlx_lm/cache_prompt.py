@@ -1,0 +1,197 @@
+"""`mlx_lm.cache_prompt`: run a prompt through a model once and save its KV cache, so
+that `mlx_lm.generate --prompt-cache-file` starts after it.
+
+The file has upstream's layout (`models/cache.save_prompt_cache`) and this metadata:
+- "model" (the --model given) and "tokenizer_config" (JSON of the tokenizer options
+  used), the two keys upstream writes;
+- "model_type" and "model_fingerprint": which model made the cache. generate refuses a
+  cache whose fingerprint is not that of the model it runs (files without one, e.g.
+  from upstream, must name the same --model);
+- "prompt" (the cached text) and "prompt_tokens" (JSON list of the cached token ids).
+
+The cached prompt is formatted like generate's but with the user message left open
+(`continue_final_message`). generate then formats `cached text + new prompt` exactly
+as it would without a cache and feeds only what follows the longest common prefix with
+the cached tokens, trimming the cache back where the two differ (where the template
+closes the message, or a token merges across the join). So generating from the cache
+gives what generating from the whole prompt gives. A file without "prompt_tokens"
+(upstream's) is continued with the new prompt's raw tokens, without a chat template.
+"""
+
+import argparse
+import functools
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .generate import DEFAULT_MODEL, DEFAULT_QUANTIZED_KV_START, json_object, maybe_quantize_kv_cache, positive_int
+from .models.cache import (
+    can_trim_prompt_cache,
+    check_kv_quantization,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+from .tokenizer_utils import TokenizerWrapper
+
+PREFILL_STEP_SIZE = 2048
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hash of every parameter's name, shape and dtype plus the values of the 8 smallest
+    parameters (norm weights and biases, which differ between fine-tunes of one
+    architecture). Cheap for any model size; the same weights give the same value."""
+    params = sorted(tree_flatten(model.parameters()), key=lambda item: item[0])
+    digest = hashlib.sha256()
+    for name, p in params:
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    for _, p in sorted(params, key=lambda item: (item[1].size, item[0]))[:8]:
+        digest.update(np.array(p.astype(mx.float32)).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def format_cached_prompt(
+    tokenizer: TokenizerWrapper, prompt: str, system_prompt: Optional[str], use_chat_template: bool,
+    template_args: Dict[str, Any],
+) -> List[int]:
+    """Token ids of the prompt to cache: the chat template with the user message open."""
+    if not (use_chat_template and tokenizer.has_chat_template):
+        return tokenizer.encode(prompt)
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True, **template_args)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def fill_cache(
+    model: nn.Module, tokens: List[int], prompt_cache: List[Any], quantize_kv: Callable[[List[Any]], None],
+    step_size: int = PREFILL_STEP_SIZE,
+) -> None:
+    """Feed every token through the model into `prompt_cache`, in chunks."""
+    for start in range(0, len(tokens), step_size):
+        model(mx.array(tokens[start : start + step_size])[None], cache=prompt_cache)
+        quantize_kv(prompt_cache)
+        mx.eval([c.state for c in prompt_cache])
+        mx.clear_cache()
+
+
+def tokens_after_cache(prompt_cache: List[Any], cached_tokens: List[int], full_tokens: List[int]) -> List[int]:
+    """What to feed after a cache holding `cached_tokens` to have fed `full_tokens`:
+    the cache is trimmed back to their longest common prefix (leaving at least one
+    token to feed, whose logits start generation)."""
+    common, limit = 0, min(len(cached_tokens), len(full_tokens) - 1)
+    while common < limit and cached_tokens[common] == full_tokens[common]:
+        common += 1
+    excess = len(cached_tokens) - common
+    if excess and not can_trim_prompt_cache(prompt_cache):
+        kinds = sorted({type(c).__name__ for c in prompt_cache if not c.is_trimmable()})
+        raise ValueError(
+            f"The prompt differs from the cached one from token {common} of {len(cached_tokens)} on, and the "
+            f"cache cannot be trimmed back ({', '.join(kinds)}); start the prompt with the cached text"
+        )
+    trim_prompt_cache(prompt_cache, excess)
+    return full_tokens[common:]
+
+
+@dataclass
+class CachedPrompt:
+    """A loaded prompt cache and what it holds (`tokens` None: the file does not say)."""
+
+    cache: List[Any]
+    text: str
+    tokens: Optional[List[int]]
+
+    def resume(
+        self, tokenizer: TokenizerWrapper, prompt: str, format_prompt: Callable[[str], List[int]]
+    ) -> Tuple[List[Any], List[int]]:
+        """(cache, tokens to feed) for generating as from `format_prompt(text + prompt)`."""
+        if self.tokens is None:
+            return self.cache, tokenizer.encode(prompt, add_special_tokens=False)
+        return self.cache, tokens_after_cache(self.cache, self.tokens, format_prompt(self.text + prompt))
+
+
+def load_cached_prompt(path: str, model: nn.Module, model_name: str) -> CachedPrompt:
+    """Load a cache file for `model` (loaded from `model_name`); a cache made by another
+    model is refused with a ValueError naming both."""
+    prompt_cache, metadata = load_prompt_cache(path, return_metadata=True)
+    made_for = metadata.get("model", "an unnamed model")
+    fingerprint = metadata.get("model_fingerprint")
+    same = fingerprint == model_fingerprint(model) if fingerprint is not None else made_for == model_name
+    if not same or len(prompt_cache) != len(make_prompt_cache(model)):
+        raise ValueError(
+            f"Prompt cache {path} was made for model {made_for!r} ({metadata.get('model_type', 'type unknown')}), "
+            f"not for {model_name!r}; make one for this model with mlx_lm.cache_prompt --model {model_name}"
+        )
+    tokens = None
+    if "prompt_tokens" in metadata:
+        try:
+            tokens = json.loads(metadata["prompt_tokens"])
+        except json.JSONDecodeError:
+            tokens = None
+        if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+            raise ValueError(f"Prompt cache {path} has malformed prompt_tokens metadata; expected a JSON list of ids")
+    return CachedPrompt(prompt_cache, metadata.get("prompt", ""), tokens)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Cache a prompt's KV state for later generation")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Local model directory or Hugging Face repo id")
+    parser.add_argument("--prompt", required=True, help="Prompt text to cache, or '-' for stdin")
+    parser.add_argument("--prompt-cache-file", required=True, help="Output file (.safetensors)")
+    parser.add_argument("--system-prompt", default=None, help="System prompt for the chat template")
+    parser.add_argument("--ignore-chat-template", action="store_true",
+                        help="Cache the prompt as is, without the chat template")
+    parser.add_argument("--chat-template-config", type=json_object, default=None,
+                        help="JSON object of extra chat template arguments")
+    parser.add_argument("--max-kv-size", type=positive_int, default=None,
+                        help="Bound every KV cache to this many tokens (keeps the first 4)")
+    parser.add_argument("--kv-bits", type=int, default=None, help="Quantize the KV cache to this many bits")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                        help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        from .utils import load
+
+        model, tokenizer, config = load(args.model, return_config=True)
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+        tokens = format_cached_prompt(
+            tokenizer, prompt, args.system_prompt, not args.ignore_chat_template, args.chat_template_config or {}
+        )
+        prompt_cache = make_prompt_cache(model, max_kv_size=args.max_kv_size)
+        if args.kv_bits is not None:
+            check_kv_quantization(prompt_cache, args.kv_group_size, args.kv_bits, args.quantized_kv_start)
+        quantize_kv = functools.partial(
+            maybe_quantize_kv_cache, quantized_kv_start=args.quantized_kv_start,
+            kv_group_size=args.kv_group_size, kv_bits=args.kv_bits,
+        )
+        fill_cache(model, tokens, prompt_cache, quantize_kv)
+        metadata = {
+            "model": args.model,
+            "tokenizer_config": json.dumps({}),
+            "model_type": str(config.get("model_type")),
+            "model_fingerprint": model_fingerprint(model),
+            "prompt": prompt,
+            "prompt_tokens": json.dumps(tokens),
+        }
+        save_prompt_cache(args.prompt_cache_file, prompt_cache, metadata)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"Error: {e}")
+    size = sum(c.nbytes for c in prompt_cache) / 2**20
+    print(f"Cached {len(tokens)} prompt tokens ({size:.2f} MB) in {args.prompt_cache_file}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""convert.py and the quantization/saving helpers of utils.py."""
+
+import importlib
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from conftest import FIXTURES
+from mlx.utils import tree_flatten
+from tokenizer_fixture import write_tokenizer
+
+from mlx_lm import cli, convert
+from mlx_lm.convert import main as convert_main
+from mlx_lm.utils import (
+    dequantize_model,
+    load,
+    load_model,
+    quantize_model,
+    quantized_layers,
+    save_model,
+)
+
+TOKENS = mx.array([[5, 17, 260, 33, 101, 7, 99, 300, 12, 45, 8, 200, 3, 77, 400, 1]])
+
+# Relative logit error ||q - f|| / ||f|| of the quantized tiny models against their
+# float originals, over 16 tokens. Measured (bits, group size):
+#   llama (4, 32) 0.483  (4, 64) 0.572  (8, 32) 0.035  (8, 64) 0.043
+#   qwen3 (4, 32) 0.365  (4, 64) 0.364  (8, 32) 0.017  (8, 64) 0.022
+# An affine b-bit step is 1/(2^b - 1) of a group's range, so 8 bits should err ~17x
+# less than 4 bits (measured 13-21x), and larger groups (wider ranges) somewhat more.
+# The errors are large in absolute terms because random weights (std 0.5) give sharp
+# attention and no residual damping, which amplify every weight error; the bounds are
+# ~1.4x the measurements, so a wrong scale, group or bit width fails them.
+TOLERANCES = {
+    "llama": {(4, 32): 0.7, (4, 64): 0.8, (8, 32): 0.05, (8, 64): 0.06},
+    "qwen3": {(4, 32): 0.5, (4, 64): 0.5, (8, 32): 0.025, (8, 64): 0.03},
+}
+FAMILY_DIRS = {"llama": "tiny_llama_dir", "qwen3": "tiny_model_dir"}
+
+
+def relative_error(got, want):
+    return (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+
+
+@pytest.mark.parametrize("family", sorted(TOLERANCES))
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 32), (8, 64)])
+def test_quantized_conversion_loads_and_tracks_the_float_model(request, tmp_path, family, bits, group_size):
+    float_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    out = tmp_path / "q"
+    convert(str(float_dir), out, quantize=True, q_bits=bits, q_group_size=group_size)
+    model, config = load_model(out)
+    reference, reference_config = load_model(float_dir)
+    float_logits = reference(TOKENS)
+
+    # Loading rebuilds exactly the in-memory quantization, bit for bit.
+    quantize_model(reference, reference_config, group_size, bits)
+    assert mx.array_equal(model(TOKENS), reference(TOKENS))
+    assert quantized_layers(model) == quantized_layers(reference)
+    assert relative_error(model(TOKENS), float_logits) < TOLERANCES[family][(bits, group_size)]
+
+    expected_block = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    assert config["quantization"] == config["quantization_config"] == expected_block
+    layers = quantized_layers(model)
+    assert "model.embed_tokens" in layers and "model.layers.1.mlp.down_proj" in layers
+    assert all(p == {"group_size": group_size, "bits": bits, "mode": "affine"} for p in layers.values())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    weights = mx.load(str(out / "model.safetensors"))
+    assert set(index["weight_map"]) == set(weights) and set(index["weight_map"].values()) == {"model.safetensors"}
+    assert index["metadata"]["total_size"] == sum(w.nbytes for w in weights.values())
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
+    _, tokenizer = load(str(out))
+    assert tokenizer.encode("def add(a, b):") == load(str(float_dir))[1].encode("def add(a, b):")
+
+
+@pytest.mark.parametrize("mode, group_size, bits", [("mxfp4", 32, 4), ("mxfp8", 32, 8), ("nvfp4", 16, 4)])
+def test_other_quantization_modes_round_trip(tmp_path, tiny_llama_dir, mode, group_size, bits):
+    convert(str(tiny_llama_dir), tmp_path / mode, quantize=True, q_mode=mode)
+    model, config = load_model(tmp_path / mode)
+    assert config["quantization"] == {"group_size": group_size, "bits": bits, "mode": mode}
+    reference, reference_config = load_model(tiny_llama_dir)
+    quantize_model(reference, reference_config, mode=mode)
+    assert mx.array_equal(model(TOKENS), reference(TOKENS))
+
+
+def test_eight_bits_err_far_less_than_four(tmp_path, tiny_llama_dir):
+    reference, _ = load_model(tiny_llama_dir)
+    float_logits = reference(TOKENS)
+    errors = {}
+    for bits in (4, 8):
+        convert(str(tiny_llama_dir), tmp_path / str(bits), quantize=True, q_bits=bits)
+        errors[bits] = relative_error(load_model(tmp_path / str(bits))[0](TOKENS), float_logits)
+    assert errors[8] < errors[4] / 8
+
+
+def test_dequantize_round_trip(tmp_path, tiny_model_dir):
+    convert(str(tiny_model_dir), tmp_path / "q", quantize=True, q_bits=4, q_group_size=32)
+    convert(str(tmp_path / "q"), tmp_path / "f", dequantize=True)
+    quantized, _ = load_model(tmp_path / "q")
+    restored, config = load_model(tmp_path / "f")
+    assert "quantization" not in config and "quantization_config" not in config
+    assert not quantized_layers(restored)
+    q_proj = quantized.model.layers[0].self_attn.q_proj
+    want = mx.dequantize(q_proj.weight, q_proj.scales, q_proj.biases, 32, 4)
+    assert mx.array_equal(restored.model.layers[0].self_attn.q_proj.weight, want)
+    # Same weights, float matmuls instead of quantized ones: float32 rounding only.
+    assert mx.allclose(restored(TOKENS), quantized(TOKENS), atol=1e-4, rtol=1e-4)
+    # In memory too, and the model quantizes again to the same layers.
+    dequantize_model(quantized)
+    assert mx.allclose(quantized(TOKENS), restored(TOKENS), atol=1e-5)
+
+
+def test_dtype_cast(tmp_path, tiny_llama_dir):
+    convert(str(tiny_llama_dir), tmp_path / "bf16", dtype="bfloat16")
+    model, _ = load_model(tmp_path / "bf16")
+    assert {p.dtype for _, p in tree_flatten(model.parameters())} == {mx.bfloat16}
+    reference, _ = load_model(tiny_llama_dir)
+    # bfloat16 keeps 8 significant bits: ~0.4 % per weight.
+    assert relative_error(model(TOKENS).astype(mx.float32), reference(TOKENS)) < 0.05
+    convert(str(tiny_llama_dir), tmp_path / "q16", quantize=True, dtype="float16")
+    q_proj = load_model(tmp_path / "q16")[0].model.layers[0].self_attn.q_proj
+    assert q_proj.scales.dtype == mx.float16 and q_proj.weight.dtype == mx.uint32
+
+
+def test_sharded_save_writes_an_index_and_loads(tmp_path, tiny_llama_dir):
+    model, config = load_model(tiny_llama_dir)
+    shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    progress = []
+    save_model(tmp_path / "m", model, max_shard_bytes=200_000, progress=lambda d, t: progress.append((d, t)))
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    total = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    assert index["metadata"]["total_size"] == total and progress[-1] == (total, total)
+    for name in files:
+        shard = mx.load(str(tmp_path / "m" / name))
+        assert sum(w.nbytes for w in shard.values()) <= 200_000 or len(shard) == 1
+        assert all(index["weight_map"][k] == name for k in shard)
+    loaded, _ = load_model(tmp_path / "m")
+    assert mx.array_equal(loaded(TOKENS), model(TOKENS))
+
+
+def test_predicates_choose_layers_and_the_config_records_them(tmp_path, tiny_llama_dir):
+    def predicate(path, module):
+        if path == "lm_head":
+            return False
+        if path.endswith("mlp.down_proj"):
+            return {"group_size": 32, "bits": 8}
+        return True
+
+    convert(str(tiny_llama_dir), tmp_path / "mixed", quantize=True, quant_predicate=predicate)
+    model, config = load_model(tmp_path / "mixed")
+    block = config["quantization"]
+    assert block["lm_head"] is False and type(model.lm_head) is nn.Linear
+    assert block["model.layers.1.mlp.down_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert "model.layers.1.mlp.up_proj" not in block  # default parameters need no entry
+    assert model.model.layers[1].mlp.down_proj.bits == 8 and model.model.layers[1].mlp.up_proj.bits == 4
+
+    # A group size that divides only some layers (128: the 128-wide down_proj inputs)
+    # keeps the others float, as upstream does.
+    convert(str(tiny_llama_dir), tmp_path / "g128", quantize=True, q_group_size=128)
+    assert set(quantized_layers(load_model(tmp_path / "g128")[0])) == {
+        "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"
+    }
+
+
+def test_moe_router_stays_at_eight_bits(tmp_path):
+    source = shutil.copytree(FIXTURES / "gpt_oss_tf5", tmp_path / "hf")
+    write_tokenizer(source, vocab_size=512)
+    convert(str(source), tmp_path / "q", quantize=True, q_bits=4, q_group_size=32)
+    model, config = load_model(tmp_path / "q")
+    routers = {p: v for p, v in config["quantization"].items() if p.endswith("mlp.router")}
+    assert len(routers) == 4 and all(v == {"group_size": 64, "bits": 8, "mode": "affine"} for v in routers.values())
+    layers = quantized_layers(model)
+    assert layers["model.layers.0.mlp.router"]["bits"] == 8
+    assert layers["model.layers.0.mlp.experts.gate_proj"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    # The model's own quant_predicate, applied in memory, gives the same layers exactly.
+    reference, reference_config = load_model(source)
+    quantize_model(reference, reference_config, 32, 4)
+    assert quantized_layers(reference) == layers
+    assert mx.array_equal(model(TOKENS % 256), reference(TOKENS % 256))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(quantize=True, dequantize=True), "either --quantize or --dequantize"),
+        (dict(q_bits=4), "only apply with -q"),
+        (dict(quantize=True, q_bits=7), r"bits \[2, 3, 4, 5, 6, 8\], got 7"),
+        (dict(quantize=True, q_group_size=100), "group sizes"),
+        (dict(dtype="float64"), "Unsupported dtype 'float64'"),
+        (dict(dequantize=True), "has no quantized layers"),
+    ],
+)
+def test_bad_options_are_refused_and_leave_nothing(tmp_path, tiny_llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        convert(str(tiny_llama_dir), tmp_path / "out", **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_existing_output_and_requantizing(tmp_path, tiny_llama_dir):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(ValueError, match="already exists"):
+        convert(str(tiny_llama_dir), tmp_path / "taken")
+    convert(str(tiny_llama_dir), tmp_path / "q", quantize=True)
+    with pytest.raises(ValueError, match="already quantized"):
+        convert(str(tmp_path / "q"), tmp_path / "qq", quantize=True)
+
+
+def test_failed_write_leaves_no_output(tmp_path, tiny_llama_dir, monkeypatch):
+    def fail(config, path):
+        raise OSError("disk full")
+
+    # (mlx_lm.convert is the function, as upstream exports it; patch the module)
+    monkeypatch.setattr(importlib.import_module("mlx_lm.convert"), "save_config", fail)
+    with pytest.raises(OSError, match="disk full"):
+        convert(str(tiny_llama_dir), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_reports_progress_and_errors(tmp_path, tiny_llama_dir, capsys):
+    assert cli.COMMANDS["convert"] == "mlx_lm.convert"
+    convert_main(["--hf-path", str(tiny_llama_dir), "--mlx-path", str(tmp_path / "q"), "-q", "--q-bits", "8"])
+    err = capsys.readouterr().err
+    assert "Quantizing" in err and "Saving" in err and "(100%)" in err and "Saved the MLX model" in err
+    assert load_model(tmp_path / "q")[1]["quantization"]["bits"] == 8
+    with pytest.raises(SystemExit, match="Error: Cannot save to .*already exists"):
+        convert_main(["--hf-path", str(tiny_llama_dir), "--mlx-path", str(tmp_path / "q")])
+    with pytest.raises(SystemExit, match="Error: .*got 7"):
+        convert_main(["--hf-path", str(tiny_llama_dir), "--mlx-path", str(tmp_path / "x"), "-q", "--q-bits", "7"])
