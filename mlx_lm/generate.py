@@ -243,10 +243,10 @@ def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str) ->
         )
 
 
-def _split_prompt_cache(prompt_cache, model, draft_model, max_kv_size):
-    """(target cache, draft cache): fresh, or split from one list (target layers first)."""
+def _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size) -> List[Any]:
+    """The target's cache entries followed by the draft's: fresh, or checked."""
     if prompt_cache is None:
-        return (cache.make_prompt_cache(model, max_kv_size), cache.make_prompt_cache(draft_model, max_kv_size))
+        return cache.make_prompt_cache(model, max_kv_size) + cache.make_prompt_cache(draft_model, max_kv_size)
     if max_kv_size is not None:
         raise ValueError("max_kv_size cannot be combined with a prompt_cache; size the cache when making it")
     num_target, num_draft = len(model.layers), len(draft_model.layers)
@@ -255,7 +255,7 @@ def _split_prompt_cache(prompt_cache, model, draft_model, max_kv_size):
             f"prompt_cache has {len(prompt_cache)} entries; speculation needs the target's "
             f"{num_target} followed by the draft's {num_draft}"
         )
-    return prompt_cache[:num_target], prompt_cache[num_target:]
+    return prompt_cache
 
 
 def verify(
@@ -311,6 +311,9 @@ def speculative_generate_step(
     logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 512,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
     max_kv_size: Optional[int] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stats: Optional[SpeculationStats] = None,
@@ -325,22 +328,30 @@ def speculative_generate_step(
     cache kind (DESIGN.md §2). `prompt_cache` is the target's entries followed by the
     draft's. When the generator finishes or is closed, both caches hold the prompt and
     every yielded token, exactly as after `generate_step`; after an exception they hold
-    that sequence minus its last token. `stats` (optional) receives the counts.
+    that sequence minus its last token. `stats` (optional) receives the counts;
+    `kv_bits` etc. quantize KV caches as in `generate_step`.
     """
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
     check_same_vocabulary(model, draft_model)
-    target_cache, draft_cache = _split_prompt_cache(prompt_cache, model, draft_model, max_kv_size)
+    prompt_cache = _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size)
+    num_target = len(model.layers)
+    target_cache, draft_cache = prompt_cache[:num_target], prompt_cache[num_target:]
     check_can_speculate(model, target_cache, "target model")
     check_can_speculate(draft_model, draft_cache, "draft model")
     sampler = sampler or make_sampler()
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
     progress = prompt_progress_callback or (lambda done, total: None)
+    if kv_bits is not None:
+        cache.check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
+    quantize_kv = functools.partial(
+        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
+    )
 
-    prefill(draft_model, prompt, draft_cache, prefill_step_size, lambda done, total: None)
-    prefill(model, prompt, target_cache, prefill_step_size, progress)
+    prefill(draft_model, prompt, draft_cache, prefill_step_size, lambda done, total: None, quantize_kv)
+    prefill(model, prompt, target_cache, prefill_step_size, progress, quantize_kv)
     sequence = prompt.tolist()  # the prompt, then every token the target committed to
     num_prompt = len(sequence)
     target_len = draft_len = num_prompt - 1  # tokens of `sequence` each cache holds
@@ -385,6 +396,8 @@ def speculative_generate_step(
             stats.num_drafted += num_draft
             stats.num_accepted += num_accepted
             stats.num_target_forwards += 1
+            quantize_kv(target_cache)
+            quantize_kv(draft_cache)
 
             for i, token in enumerate(new_tokens):
                 num_yielded += 1
@@ -396,6 +409,7 @@ def speculative_generate_step(
     finally:
         sides = [(model, target_cache, target_len, target_fed), (draft_model, draft_cache, draft_len, draft_fed)]
         _finish_speculation(sides, sequence[: num_prompt + num_yielded], clean_stop)
+        prompt_cache[:] = target_cache + draft_cache  # entries quantized on the way
 
 
 def _finish_speculation(sides, delivered: List[int], clean_stop: bool) -> None:

@@ -7,6 +7,7 @@ the target itself (agrees, so rounds accept everything), and a hybrid.
 
 import mlx.core as mx
 import pytest
+from checkpoints import TINY_CONFIGS, write_checkpoint
 from conftest import FIXTURES
 
 from mlx_lm import stream_generate
@@ -164,3 +165,18 @@ def test_stream_generate_with_draft_reports_speculation(tiny_model_dir):
     assert last.num_accepted == last.num_drafted > 0 and last.num_target_forwards < 16
     with pytest.raises(ValueError, match="num_draft_tokens needs a draft_model"):
         next(stream_generate(target, tokenizer, "x", num_draft_tokens=2))
+
+
+def test_quantized_kv_cache_with_speculation(tmp_path):
+    """--kv-bits with a draft: caches turn quantized mid-run and still roll back; greedy
+    output equals plain generation with the same quantized caches."""
+    config = dict(TINY_CONFIGS["llama"], num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
+    target = load_model(write_checkpoint(tmp_path / "target", config, seed=3))[0]
+    draft = load_model(write_checkpoint(tmp_path / "draft", config, seed=4))[0]
+    kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=24)
+    want = [t for t, _ in generate_step(PROMPT, target, max_tokens=20, **kv)]
+    cache = make_prompt_cache(target) + make_prompt_cache(draft)
+    got = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
+                                                      max_tokens=20, prompt_cache=cache, **kv)]
+    assert got == want
+    assert all(type(c).__name__ == "QuantizedKVCache" and c.offset == PROMPT.size + 20 for c in cache)
