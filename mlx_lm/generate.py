@@ -622,7 +622,11 @@ def build_prompt(tokenizer: TokenizerWrapper, prompt: str, system_prompt: Option
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.prompt_cache_file is not None and args.draft_model is not None:
+        # A saved prompt cache holds the target's entries only.
+        parser.error("--prompt-cache-file cannot be combined with --draft-model")
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
