@@ -569,8 +569,9 @@ def can_trim_prompt_cache(cache: List[Any]) -> bool:
 def trim_prompt_cache(cache: List[Any], num_tokens: int) -> int:
     """Remove the last `num_tokens` from every entry; returns the number removed.
 
-    Raises rather than doing part of the job: an untrimmable entry, or more tokens than
-    held, leaves the cache untouched and raises."""
+    An untrimmable entry raises before anything is trimmed. Asking for more than an entry
+    can give back raises from that entry; the entries of one model hold the same tokens,
+    so that is a caller's bug, never clamped away."""
     if not cache or num_tokens <= 0:
         return 0
     if not can_trim_prompt_cache(cache):
