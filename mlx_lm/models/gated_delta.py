@@ -1,0 +1,255 @@
+"""The gated delta rule (Gated DeltaNet), the recurrence of qwen3_next / qwen3_5 linear
+attention layers.
+
+Per value head, with an fp32 state S (Dv, Dk) and per-token inputs q, k (Dk), v (Dv),
+gate g in (0, 1] and write strength beta in (0, 1):
+
+    S <- g * S                      (forget)
+    delta = beta * (v - S k)        (what the memory gets wrong about v)
+    S <- S + delta k^T              (delta-rule write)
+    y = S q                         (read)
+
+Value heads share key heads: value head h reads query/key head h // (Hv // Hk).
+
+Two pure-MLX paths sit behind `gated_delta_update`:
+- `gated_delta_sequential`: the recurrence step by step (decode, and short windows such
+  as speculative verify chunks). Each step reads the state once for S k and S q (one
+  batched matmul) and rewrites it once (one fused update).
+- `gated_delta_chunked`: the chunked parallel form for long prefill. Inside a chunk of
+  CHUNK_SIZE tokens the writes are condensed with the WY/UT transform, so the state is
+  touched twice per chunk instead of twice per token, and the rest is batched matmuls.
+References: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (arXiv 2412.06464);
+Yang et al., "Parallelizing Linear Transformers with the Delta Rule" (arXiv 2406.06484).
+"""
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+# Tokens per chunk of the chunked path (the intra-chunk matrices are CHUNK_SIZE^2).
+CHUNK_SIZE = 32
+# The chunked path handles this many chunks at a time, so that its per-chunk temporaries
+# stay small (in cache) however long the prompt is.
+CHUNKS_PER_BLOCK = 8
+# Updates of at least this many tokens take the chunked path; shorter ones (decode,
+# speculative verify windows) step sequentially, where the chunk set-up would dominate.
+CHUNKED_MIN_TOKENS = 16
+# log(g) is floored here: g underflows to 0 in fp32 for very strong forgetting, and
+# exp(-30) ~ 1e-13 already erases the state as thoroughly as 0 does in fp32. A low floor
+# would only grow the in-chunk cumulative sums, whose differences lose absolute precision.
+_MIN_LOG_GATE = -30.0
+
+
+def compute_g(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    """Per-token decay g = exp(-exp(A_log) * softplus(a + dt_bias)), in fp32.
+
+    A_log, dt_bias (Hv,); a (B, T, Hv) -> g (B, T, Hv) in (0, 1].
+    """
+    x = a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    softplus = mx.logaddexp(x, 0.0)
+    return mx.exp(-mx.exp(A_log.astype(mx.float32)) * softplus)
+
+
+def _check_shapes(q, k, v, g, beta, state):
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if k.shape != q.shape or v.shape[:2] != (B, T) or g.shape != (B, T, Hv) or beta.shape != (B, T, Hv):
+        raise ValueError(
+            f"gated delta inputs disagree: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+            f"beta {beta.shape}; expected q, k (B, T, Hk, Dk), v (B, T, Hv, Dv), g, beta (B, T, Hv)"
+        )
+    if Hv % Hk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    if state is not None and state.shape != (B, Hv, Dv, Dk):
+        raise ValueError(f"gated delta state has shape {state.shape}, expected {(B, Hv, Dv, Dk)}")
+
+
+@mx.compile
+def _step(state, q, k, v, g, beta):
+    """One token. state (B, Hk, r, Dv, Dk); q, k (B, Hk, Dk); v (B, Hk, r, Dv);
+    g, beta (B, Hk, r) -> y (B, Hk, r, Dv), new state."""
+    kq = mx.stack([k, q], axis=-2)[:, :, None]  # (B, Hk, 1, 2, Dk)
+    # S k and S q of the *old* state in one matmul (rows k^T S^T, q^T S^T: on CPU BLAS the
+    # row-vector form is the fast one); the decay is applied afterwards.
+    reads = kq @ state.swapaxes(-1, -2)  # (B, Hk, r, 2, Dv)
+    g, beta = g[..., None], beta[..., None]  # (B, Hk, r, 1)
+    delta = beta * (v - g * reads[..., 0, :])  # (B, Hk, r, Dv)
+    # y = (g S + delta k^T) q = g (S q) + delta (k . q)
+    y = g * reads[..., 1, :] + delta * (k * q).sum(-1)[:, :, None, None]
+    # One fused pass rewrites the state (mx.compile fuses the elementwise update).
+    state = g[..., None] * state + delta[..., None] * k[:, :, None, None, :]
+    return y, state
+
+
+def gated_delta_sequential(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> Tuple[mx.array, mx.array]:
+    """The recurrence one token at a time.
+
+    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk) fp32
+    -> y (B, T, Hv, Dv) fp32, state (B, Hv, Dv, Dk) fp32.
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    r = Hv // Hk
+    q, k, v = (x.astype(mx.float32) for x in (q, k, v))
+    v = v.reshape(B, T, Hk, r, Dv)
+    g, beta = g.reshape(B, T, Hk, r), beta.reshape(B, T, Hk, r)
+    S = state.reshape(B, Hk, r, Dv, Dk)
+    ys = []
+    for t in range(T):
+        y, S = _step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        ys.append(y)
+    y = mx.stack(ys, axis=1)  # (B, T, Hk, r, Dv)
+    return y.reshape(B, T, Hv, Dv), S.reshape(B, Hv, Dv, Dk)
+
+
+def unit_lower_inverse(L: mx.array) -> mx.array:
+    """(I + L)^-1 for strictly lower-triangular L (N, C, C), C a power of two.
+
+    Blockwise: inv([[A, 0], [M, D]]) = [[A^-1, 0], [-D^-1 M A^-1, D^-1]], doubling the
+    block size from 1 to C: log2(C) rounds of batched matmuls. Unlike the Neumann series
+    sum (-L)^i this stays accurate when the keys of a chunk nearly coincide, where the
+    powers of L grow binomially and cancel.
+    """
+    N, C, _ = L.shape
+    L = mx.contiguous(L)
+    # Level 1: the 1x1 diagonal blocks are 1, so each 2x2 block is [[1, 0], [-l, 1]].
+    inv = mx.ones((N, C, 1, 1), L.dtype)
+    b = 1
+    while b < C:
+        n = C // (2 * b)
+        # Lower-left b x b block M of each diagonal 2b x 2b block, as a strided view.
+        M = mx.as_strided(L, (N, n, b, b), (C * C, 2 * b * (C + 1), C, 1), offset=b * C)
+        A_inv, D_inv = inv[:, 0::2], inv[:, 1::2]  # (N, n, b, b)
+        lower_left = -(D_inv @ (M @ A_inv))
+        top = mx.concatenate([A_inv, mx.zeros_like(A_inv)], axis=-1)
+        bottom = mx.concatenate([lower_left, D_inv], axis=-1)
+        inv = mx.concatenate([top, bottom], axis=-2)  # (N, n, 2b, 2b)
+        b *= 2
+    return inv.reshape(N, C, C)
+
+
+def _to_chunks(x: mx.array, num_chunks: int, chunk_size: int) -> mx.array:
+    """(B, T, H, ...) zero-padded to num_chunks * chunk_size tokens -> (n, B * H, C, ...),
+    chunk-major so the scan over chunks slices contiguous blocks."""
+    B, T, H = x.shape[:3]
+    pad = num_chunks * chunk_size - T
+    if pad:
+        x = mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(B, num_chunks, chunk_size, H, *x.shape[3:])
+    x = mx.moveaxis(mx.moveaxis(x, 1, 0), 3, 2)  # (n, B, H, C, ...)
+    return x.reshape(num_chunks, B * H, chunk_size, *x.shape[4:])
+
+
+def gated_delta_chunked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    chunk_size: int = CHUNK_SIZE,
+) -> Tuple[mx.array, mx.array]:
+    """The recurrence in chunks of `chunk_size` tokens (a power of two).
+
+    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk) fp32
+    -> y (B, T, Hv, Dv) fp32, state (B, Hv, Dv, Dk) fp32.
+
+    Blocks of CHUNKS_PER_BLOCK chunks are handed to `_chunk_block` one after the other,
+    so its temporaries (C x C per chunk and head) stay small whatever the length.
+    """
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    block = chunk_size * CHUNKS_PER_BLOCK
+    ys = []
+    for start in range(0, q.shape[1], block):
+        piece = slice(start, start + block)
+        y, state = _chunk_block(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], state, chunk_size)
+        ys.append(y)
+    return mx.concatenate(ys, axis=1) if len(ys) > 1 else ys[0], state
+
+
+def _chunk_block(q, k, v, g, beta, state, chunk_size):
+    """gated_delta_chunked on one block of at most CHUNKS_PER_BLOCK chunks.
+
+    Within a chunk, with gamma_t = sum of log g up to t and S0 the state before it:
+        L[i, j] = beta_i (k_i . k_j) exp(gamma_i - gamma_j)  (i > j)
+        U = (I + L)^-1 (beta v),  W = (I + L)^-1 (beta exp(gamma) k)      (UT transform)
+        v_new = U - W S0^T                                         (what S0 mispredicts)
+        y = exp(gamma) q S0^T + A v_new,  A[i, j] = (q_i . k_j) exp(gamma_i - gamma_j) (i >= j)
+        S = exp(gamma_C) S0 + v_new^T (exp(gamma_C - gamma) k)
+    All but the S0 terms are computed for every chunk of the block at once; the scan over
+    chunks then reads S0 once (for W and q together) and writes it once per chunk.
+    Padding steps (g = 1, beta = 0, k = v = 0) leave the state unchanged.
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    C = chunk_size
+    n = -(-T // C)
+    f32 = mx.float32
+    if Hv != Hk:  # value head h reads key head h // (Hv // Hk)
+        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
+    log_g = mx.maximum(mx.log(g.astype(f32)), _MIN_LOG_GATE)
+    # Every head of every chunk as one batch N = n * B * Hv of (C, D) blocks: the
+    # elementwise work below then broadcasts over 3-D arrays only.
+    q, k, v = (_to_chunks(x.astype(f32), n, C).reshape(-1, C, x.shape[-1]) for x in (q, k, v))
+    log_g, beta = (_to_chunks(x.astype(f32), n, C).reshape(-1, C) for x in (log_g, beta))
+
+    gamma = mx.cumsum(log_g, axis=-1)  # (N, C)
+    pos = mx.arange(C)
+    # exp of a masked difference: above the diagonal the exponent would be positive.
+    diff = gamma[:, :, None] - gamma[:, None, :]  # (N, C, C)
+    decay = mx.exp(mx.where(pos[:, None] >= pos[None, :], diff, -mx.inf))
+    L = mx.where(pos[:, None] > pos[None, :], (k @ k.swapaxes(-1, -2)) * decay, 0.0) * beta[:, :, None]
+    T_inv = unit_lower_inverse(L)  # (N, C, C)
+    u = T_inv @ (beta[..., None] * v)  # (N, C, Dv)
+    w = T_inv @ ((beta * mx.exp(gamma))[..., None] * k)  # (N, C, Dk)
+    attn = (q @ k.swapaxes(-1, -2)) * decay  # (N, C, C)
+    # y = exp(gamma) q S0^T + A (U - W S0^T) = (exp(gamma) q - A W) S0^T + A U
+    q_eff = q * mx.exp(gamma)[..., None] - attn @ w  # (N, C, Dk)
+    y_intra = (attn @ u).reshape(n, B * Hv, C, Dv)
+    reads = mx.concatenate([w, q_eff], axis=1).reshape(n, B * Hv, 2 * C, Dk)
+    k_tail = (k * mx.exp(gamma[:, -1:] - gamma)[..., None]).reshape(n, B * Hv, C, Dk)
+    chunk_decay = mx.exp(gamma[:, -1]).reshape(n, B * Hv, 1, 1)
+    u = u.reshape(n, B * Hv, C, Dv)
+
+    S = state.reshape(B * Hv, Dv, Dk)
+    ys = []
+    for c in range(n):
+        x = reads[c] @ S.swapaxes(-1, -2)  # (B * Hv, 2C, Dv)
+        v_new = u[c] - x[:, :C]
+        ys.append(y_intra[c] + x[:, C:])
+        S = chunk_decay[c] * S + v_new.swapaxes(-1, -2) @ k_tail[c]
+    y = mx.stack(ys).reshape(n, B, Hv, C, Dv)
+    y = mx.moveaxis(mx.moveaxis(y, 0, 1), 2, 3).reshape(B, n * C, Hv, Dv)[:, :T]
+    return y, S.reshape(B, Hv, Dv, Dk)
+
+
+def gated_delta_update(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+) -> Tuple[mx.array, mx.array]:
+    """Run the gated delta rule over T tokens from `state` (zeros if None).
+
+    q, k (B, T, Hk, Dk) already normalised (and q scaled); v (B, T, Hv, Dv); g, beta
+    (B, T, Hv); state (B, Hv, Dv, Dk). Returns y (B, T, Hv, Dv) in v's dtype and the new
+    state in fp32. Fewer than CHUNKED_MIN_TOKENS tokens step sequentially, more go
+    through the chunked form; both compute the same recurrence.
+    """
+    _check_shapes(q, k, v, g, beta, state)
+    B, T, _, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), mx.float32)
+    state = state.astype(mx.float32)
+    g, beta = g.astype(mx.float32), beta.astype(mx.float32)
+    if T < CHUNKED_MIN_TOKENS:
+        y, state = gated_delta_sequential(q, k, v, g, beta, state)
+    else:
+        y, state = gated_delta_chunked(q, k, v, g, beta, state)
+    return y.astype(v.dtype), state

@@ -1,0 +1,182 @@
+"""gated_delta.py: both paths against a float64 NumPy reference of the recurrence, and
+against each other across lengths, head ratios, chunk boundaries and carried state."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lm.models.gated_delta import (
+    CHUNK_SIZE,
+    CHUNKED_MIN_TOKENS,
+    CHUNKS_PER_BLOCK,
+    compute_g,
+    gated_delta_chunked,
+    gated_delta_sequential,
+    gated_delta_update,
+    unit_lower_inverse,
+)
+
+FP32_TOLERANCE = 1e-5  # max |error| / max |reference|; observed ~1e-6
+
+
+def reference(q, k, v, g, beta, state):
+    """The recurrence token by token in float64: S <- g S; S <- S + beta (v - S k) k^T; y = S q."""
+    q, k, v, g, beta, S = (np.array(x, dtype=np.float64) for x in (q, k, v, g, beta, state))
+    B, T, Hk, _ = q.shape
+    Hv, Dv = v.shape[-2:]
+    y = np.zeros((B, T, Hv, Dv))
+    for t in range(T):
+        for h in range(Hv):
+            kh, qh = k[:, t, h // (Hv // Hk)], q[:, t, h // (Hv // Hk)]
+            S[:, h] *= g[:, t, h][:, None, None]
+            delta = beta[:, t, h][:, None] * (v[:, t, h] - np.einsum("bvk,bk->bv", S[:, h], kh))
+            S[:, h] += delta[:, :, None] * kh[:, None, :]
+            y[:, t, h] = np.einsum("bvk,bk->bv", S[:, h], qh)
+    return y, S
+
+
+def make_inputs(B=1, T=8, Hk=2, Hv=4, Dk=16, Dv=8, seed=0, similar_keys=False, g_range=(0.5, 1.0)):
+    """Normalised q (scaled by Dk^-1/2) and k, as the models feed them, and an initial state."""
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, B, T, Hk, Dk))
+    if similar_keys:  # every key nearly the same direction: the UT system is near-singular
+        k = k[:, :1] + 0.01 * k
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * math.sqrt(Dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, Hv, Dv))
+    g = rng.uniform(*g_range, (B, T, Hv))
+    beta = rng.uniform(0, 1, (B, T, Hv))
+    state = rng.standard_normal((B, Hv, Dv, Dk)) * 0.3
+    return [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta, state)]
+
+
+def relative_error(got, want) -> float:
+    got, want = np.array(got, dtype=np.float64), np.array(want, dtype=np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def test_compute_g_matches_formula():
+    rng = np.random.default_rng(1)
+    A_log, dt_bias = rng.standard_normal((2, 3))
+    a = rng.standard_normal((2, 5, 3)) * 4
+    want = np.exp(-np.exp(A_log) * np.log1p(np.exp(a + dt_bias)))
+    got = compute_g(*(mx.array(x.astype(np.float32)) for x in (A_log, a, dt_bias)))
+    assert got.dtype == mx.float32
+    assert relative_error(got, want) < 1e-6
+
+
+def test_compute_g_is_fp32_for_bf16_inputs():
+    g = compute_g(mx.zeros((2,), mx.bfloat16), mx.ones((1, 3, 2), mx.bfloat16), mx.zeros((2,), mx.bfloat16))
+    assert g.dtype == mx.float32
+
+
+@pytest.mark.parametrize("Hk,Hv", [(2, 2), (2, 4), (1, 3)])
+def test_sequential_matches_reference(Hk, Hv):
+    inputs = make_inputs(B=2, T=7, Hk=Hk, Hv=Hv, seed=Hv)
+    y, state = gated_delta_sequential(*inputs)
+    y_ref, state_ref = reference(*inputs)
+    assert relative_error(y, y_ref) < FP32_TOLERANCE
+    assert relative_error(state, state_ref) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "T,Hk,Hv,similar_keys",
+    [(5, 2, 4, False), (CHUNK_SIZE, 2, 2, False), (2 * CHUNK_SIZE + 3, 2, 4, False), (70, 1, 3, True)],
+)
+def test_chunked_matches_reference(T, Hk, Hv, similar_keys):
+    inputs = make_inputs(T=T, Hk=Hk, Hv=Hv, seed=T, similar_keys=similar_keys)
+    y, state = gated_delta_chunked(*inputs)
+    y_ref, state_ref = reference(*inputs)
+    assert relative_error(y, y_ref) < FP32_TOLERANCE
+    assert relative_error(state, state_ref) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("T", [1, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 3 * CHUNK_SIZE + 5])
+@pytest.mark.parametrize("Hk,Hv", [(4, 4), (2, 6)])
+def test_chunked_equals_sequential(T, Hk, Hv):
+    inputs = make_inputs(B=2, T=T, Hk=Hk, Hv=Hv, Dk=32, Dv=16, seed=T + Hv)
+    y_seq, state_seq = gated_delta_sequential(*inputs)
+    y_chunk, state_chunk = gated_delta_chunked(*inputs)
+    assert relative_error(y_chunk, y_seq) < FP32_TOLERANCE
+    assert relative_error(state_chunk, state_seq) < FP32_TOLERANCE
+
+
+def test_chunked_equals_sequential_across_blocks():
+    """Longer than one block of CHUNKS_PER_BLOCK chunks: the state passes between blocks."""
+    inputs = make_inputs(T=CHUNK_SIZE * CHUNKS_PER_BLOCK + 37, Hk=1, Hv=2, Dk=8, Dv=8, seed=6)
+    y_seq, state_seq = gated_delta_sequential(*inputs)
+    y_chunk, state_chunk = gated_delta_chunked(*inputs)
+    assert relative_error(y_chunk, y_seq) < FP32_TOLERANCE
+    assert relative_error(state_chunk, state_seq) < FP32_TOLERANCE
+
+
+def test_state_carried_between_calls():
+    """Splitting a sequence anywhere, through either path, gives the one-call result."""
+    q, k, v, g, beta, state = make_inputs(T=100, seed=3)
+    y_all, state_all = gated_delta_sequential(q, k, v, g, beta, state)
+    for split in (1, CHUNK_SIZE, 57):
+        pieces, s = [], state
+        for piece in (slice(0, split), slice(split, None)):
+            y, s = gated_delta_update(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], s)
+            pieces.append(y)
+        assert relative_error(mx.concatenate(pieces, axis=1), y_all) < FP32_TOLERANCE
+        assert relative_error(s, state_all) < FP32_TOLERANCE
+
+
+def test_strong_forgetting_stays_finite():
+    """g underflowing to 0 (exp of a large negative number) erases the state in both paths.
+    The chunked path's in-chunk cumulative log-decays then grow large, and differences of
+    large fp32 numbers lose absolute precision: hence a looser bound (observed ~6e-6)."""
+    q, k, v, g, beta, state = make_inputs(T=40, seed=4)
+    g = mx.where(mx.arange(40)[None, :, None] % 7 == 3, 0.0, g)
+    y_seq, s_seq = gated_delta_sequential(q, k, v, g, beta, state)
+    y_chunk, s_chunk = gated_delta_chunked(q, k, v, g, beta, state)
+    assert np.isfinite(np.array(y_chunk)).all()
+    assert relative_error(y_chunk, y_seq) < 5e-5
+    assert relative_error(s_chunk, s_seq) < 5e-5
+
+
+def test_update_dispatches_by_length():
+    """Below CHUNKED_MIN_TOKENS the dispatcher is the sequential path, bit for bit; from
+    it on, the chunked one."""
+    for T, path in ((CHUNKED_MIN_TOKENS - 1, gated_delta_sequential), (CHUNKED_MIN_TOKENS, gated_delta_chunked)):
+        inputs = make_inputs(T=T, seed=T)
+        y, state = gated_delta_update(*inputs)
+        y_path, state_path = path(*inputs)
+        assert mx.array_equal(y, y_path) and mx.array_equal(state, state_path)
+
+
+def test_update_defaults_to_zero_state_and_keeps_dtypes():
+    q, k, v, g, beta, _ = make_inputs(T=3)
+    y, state = gated_delta_update(q, k, v, g, beta)
+    y_zero, _ = gated_delta_update(q, k, v, g, beta, mx.zeros(state.shape))
+    assert mx.array_equal(y, y_zero)
+    y, state = gated_delta_update(q, k, v.astype(mx.bfloat16), g, beta)
+    assert y.dtype == mx.bfloat16 and state.dtype == mx.float32
+
+
+def test_update_rejects_bad_shapes():
+    q, k, v, g, beta, state = make_inputs(Hk=2, Hv=4)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gated_delta_update(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
+    with pytest.raises(ValueError, match="state has shape"):
+        gated_delta_update(q, k, v, g, beta, state[:, :2])
+    with pytest.raises(ValueError, match="disagree"):
+        gated_delta_update(q, k, v, g[:, :2], beta)
+
+
+def test_unit_lower_inverse_matches_numpy():
+    rng = np.random.default_rng(5)
+    C = 16
+    L = np.tril(rng.standard_normal((3, C, C)), -1)
+    L[1] = np.tril(np.ones((C, C)), -1)  # (I + L)^-1 is bidiagonal; L's powers are binomial
+    got = unit_lower_inverse(mx.array(L.astype(np.float32)))
+    want = np.linalg.inv(np.eye(C) + L)
+    assert relative_error(got, want) < 1e-5
+
+
+def test_chunk_constants_are_consistent():
+    assert CHUNK_SIZE & (CHUNK_SIZE - 1) == 0  # unit_lower_inverse doubles block sizes
+    assert 1 < CHUNKED_MIN_TOKENS
