@@ -13,6 +13,7 @@ from mlx_lm.models.gated_delta import (
     CHUNKS_PER_BLOCK,
     compute_g,
     gated_delta_chunked,
+    gated_delta_replay,
     gated_delta_sequential,
     gated_delta_update,
     unit_lower_inverse,
@@ -180,3 +181,15 @@ def test_unit_lower_inverse_matches_numpy():
 def test_chunk_constants_are_consistent():
     assert CHUNK_SIZE & (CHUNK_SIZE - 1) == 0  # unit_lower_inverse doubles block sizes
     assert 1 < CHUNKED_MIN_TOKENS
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 9])
+def test_replay_equals_reference_final_state(T):
+    """The rollback replay (one chunk of the next power of two) gives the state the
+    recurrence reaches after T steps."""
+    inputs = make_inputs(T=T, Hk=2, Hv=4, Dk=32, Dv=16, seed=100 + T)
+    _, want = reference(*inputs)
+    assert relative_error(gated_delta_replay(*inputs), want) < FP32_TOLERANCE
+    q, k, v, g, beta, _ = inputs
+    zero_start = gated_delta_replay(q, k, v, g, beta, None)
+    assert relative_error(zero_start, reference(q, k, v, g, beta, np.zeros(inputs[5].shape))[1]) < FP32_TOLERANCE

@@ -241,15 +241,41 @@ def gated_delta_update(
     state in fp32. Fewer than CHUNKED_MIN_TOKENS tokens step sequentially, more go
     through the chunked form; both compute the same recurrence.
     """
-    _check_shapes(q, k, v, g, beta, state)
-    B, T, _, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), mx.float32)
-    state = state.astype(mx.float32)
-    g, beta = g.astype(mx.float32), beta.astype(mx.float32)
-    if T < CHUNKED_MIN_TOKENS:
+    g, beta, state = _fp32_inputs(q, k, v, g, beta, state)
+    if q.shape[1] < CHUNKED_MIN_TOKENS:
         y, state = gated_delta_sequential(q, k, v, g, beta, state)
     else:
         y, state = gated_delta_chunked(q, k, v, g, beta, state)
     return y.astype(v.dtype), state
+
+
+def gated_delta_replay(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+) -> mx.array:
+    """Only the state after T recorded steps from `state`: a speculative rollback
+    replaying the accepted prefix of a verify forward. Shapes as in gated_delta_update;
+    returns (B, Hv, Dv, Dk) fp32.
+
+    Several steps run as one chunk of the next power of two, which reads and rewrites
+    the state once where stepping does so T times (the state dominates the cost: 2 MB a
+    layer at Qwen3-Next sizes against a few KB of inputs per step)."""
+    g, beta, state = _fp32_inputs(q, k, v, g, beta, state)
+    T = q.shape[1]
+    if T == 1:
+        return gated_delta_sequential(q, k, v, g, beta, state)[1]
+    return gated_delta_chunked(q, k, v, g, beta, state, chunk_size=1 << (T - 1).bit_length())[1]
+
+
+def _fp32_inputs(q, k, v, g, beta, state):
+    """Checked g, beta and state in fp32 (a zero state if None)."""
+    _check_shapes(q, k, v, g, beta, state)
+    B, _, _, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), mx.float32)
+    return g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)

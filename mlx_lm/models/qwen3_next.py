@@ -31,7 +31,7 @@ import mlx.nn as nn
 
 from .base import BaseModelArgs, create_attention_mask, scaled_dot_product_attention
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_g, gated_delta_update
+from .gated_delta import compute_g, gated_delta_replay, gated_delta_update
 from .llama import MLP
 from .rope_utils import initialize_rope, resolve_rope
 from .switch_layers import SwitchGLU
@@ -222,7 +222,7 @@ def replay_prefix(
     is the state after m tokens. The conv state is rows [m, m+K-1) of the conv input
     (B, K-1+T, C). Returns [conv_state, recurrent_state]."""
     history = conv_input.shape[1] - q.shape[1]  # K - 1
-    _, state = gated_delta_update(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)
+    state = gated_delta_replay(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)
     return [conv_input[:, m : m + history], state]
 
 
