@@ -6,6 +6,7 @@ tokens (prefill) the (token, expert) pairs are sorted by expert first, so each e
 weight is read once per contiguous run instead of once per token.
 """
 
+import functools
 from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
@@ -13,6 +14,27 @@ import mlx.nn as nn
 
 # Below this many (token, expert) pairs, sorting costs more than it saves.
 SORT_THRESHOLD = 64
+
+
+@functools.lru_cache(maxsize=None)
+def gather_mm_runs_in(dtype: mx.Dtype, device: mx.Device) -> bool:
+    """Whether the backend has a gather_mm kernel for `dtype` (MLX's CPU backend has one
+    for float32 only). Asked once per dtype and device with a tiny product."""
+    try:
+        lhs, rhs = mx.zeros((1, 1, 2), dtype), mx.zeros((1, 2, 2), dtype)
+        mx.eval(mx.gather_mm(lhs, rhs, rhs_indices=mx.array([0])))
+        return True
+    except RuntimeError:
+        return False
+
+
+def gather_mm(x: mx.array, w: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+    """x @ w[indices], in float32 where the backend lacks a kernel for x's dtype (the
+    result is cast back: the same product, computed more precisely)."""
+    if gather_mm_runs_in(x.dtype, mx.default_device()):
+        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+    y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices, sorted_indices=sorted_indices)
+    return y.astype(x.dtype)
 
 
 def swiglu(up: mx.array, gate: mx.array) -> mx.array:
@@ -49,7 +71,7 @@ class SwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        y = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        y = gather_mm(x, self.weight.swapaxes(-1, -2), indices, sorted_indices)
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y
