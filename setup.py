@@ -34,7 +34,7 @@ setup(
         "cpu": [f"mlx[cpu]>={MIN_MLX_VERSION}"],
         "cuda12": [f"mlx[cuda12]>={MIN_MLX_VERSION}"],
         "cuda13": [f"mlx[cuda13]>={MIN_MLX_VERSION}"],
-        "test": ["pytest", "tokenizers", "safetensors"],
+        "test": ["pytest", "tokenizers", "safetensors", "openai"],
     },
     entry_points={
         "console_scripts": [
@@ -42,6 +42,7 @@ setup(
             "mlx_lm.generate = mlx_lm.generate:main",
             "mlx_lm.convert = mlx_lm.convert:main",
             "mlx_lm.cache_prompt = mlx_lm.cache_prompt:main",
+            "mlx_lm.server = mlx_lm.server:main",
         ]
     },
 )

@@ -10,6 +10,7 @@ COMMANDS = {
     "generate": "mlx_lm.generate",
     "convert": "mlx_lm.convert",
     "cache_prompt": "mlx_lm.cache_prompt",
+    "server": "mlx_lm.server",
 }
 
 

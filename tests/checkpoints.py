@@ -25,6 +25,19 @@ TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
         vocab_size=VOCAB_SIZE, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         tie_word_embeddings=True, eos_token_id=0,
     ),
+    "qwen3_next": dict(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, full_attention_interval=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], partial_rotary_factor=0.25,
+        vocab_size=512, rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_id=0,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=512, eos_token_id=0,
+    ),
 }
 
 

@@ -1,0 +1,371 @@
+"""The OpenAI-compatible request/response layer of `mlx_lm.server`: request validation
+(every field checked, errors as HTTP status + message), stop strings, and the
+chat.completion / text_completion bodies and stream chunks, with usage and logprobs.
+No model work happens here.
+"""
+
+import json
+import math
+import platform
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ._version import __version__
+from .generate import SpeculationStats
+
+DEFAULT_MODEL_NAME = "default_model"  # what OpenAI-style clients send for "the model"
+MAX_BODY_BYTES = 64 << 20
+# Request limits beyond which a value is a mistake rather than a wish.
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_TOP_LOGPROBS = 20
+MAX_NUM_DRAFT_TOKENS = 64
+MAX_CONTEXT_SIZE = 1 << 20
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP `status` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# ---------------------------------------------------------------------------
+# Request parsing and validation (handler threads; no MLX).
+
+
+@dataclass
+class ServerDefaults:
+    """Values a request falls back to (from the command line)."""
+
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    chat_template_args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationRequest:
+    kind: str  # "chat" or "text"
+    model: Optional[str]
+    draft_model: Optional[str]
+    messages: Optional[List[Dict[str, Any]]]
+    prompt: Any  # text: a string or token ids
+    tools: Optional[List[Any]]
+    chat_template_kwargs: Dict[str, Any]
+    max_tokens: int
+    sampling: Dict[str, Any]  # make_sampler keyword arguments
+    penalties: Dict[str, Any]  # make_logits_processors keyword arguments (but logit_bias)
+    logit_bias: Dict[int, float]
+    logprobs: bool
+    top_logprobs: int
+    seed: Optional[int]
+    stop: List[str]
+    stream: bool
+    include_usage: bool
+    num_draft_tokens: Optional[int]
+
+
+def _bad(name: str, expected: str, value: Any) -> RequestError:
+    return RequestError(400, f"'{name}' must be {expected}, got {json.dumps(value)[:200]}")
+
+
+def _get(body: dict, name: str, types: tuple, expected: str, default: Any = None) -> Any:
+    """body[name] checked against `types` (a JSON null means absent); bool is never
+    accepted as a number."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        raise _bad(name, expected, value)
+    return value
+
+
+def _integer(body: dict, name: str, default: Optional[int], low: int, high: int) -> Optional[int]:
+    value = _get(body, name, (int,), f"an integer in [{low}, {high}]", default)
+    if value is not None and not low <= value <= high:
+        raise _bad(name, f"an integer in [{low}, {high}]", value)
+    return value
+
+
+def _real(body: dict, name: str, default: Optional[float], low: float, high: float) -> Optional[float]:
+    value = _get(body, name, (int, float), f"a number in [{low}, {high}]", default)
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise _bad(name, f"a number in [{low}, {high}]", value)
+    return None if value is None else float(value)
+
+
+def _stop_strings(body: dict) -> List[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _bad("stop", "a non-empty string or a list of them", stop)
+    return stops
+
+
+def _logit_bias(body: dict) -> Dict[int, float]:
+    bias = _get(body, "logit_bias", (dict,), "an object mapping token ids to numbers", {})
+    parsed = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"\d{1,9}", str(key)):
+            raise _bad("logit_bias", "an object whose keys are token ids", bias)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise _bad(f"logit_bias[{key}]", "a number in [-100, 100]", value)
+        parsed[int(key)] = float(value)
+    return parsed
+
+
+def _message_content(index: int, content: Any) -> Optional[str]:
+    """A message's content as text: a string, or a list of text parts joined."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise _bad(f"messages[{index}].content[]", 'a text part {"type": "text", "text": ...}', part)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(f"messages[{index}].content", "a string or a list of text parts", content)
+
+
+def _messages(body: dict) -> List[Dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "a non-empty list of messages", messages)
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _bad(f"messages[{i}]", 'an object with a string "role"', message)
+        message = dict(message, content=_message_content(i, message.get("content")))
+        # Chat templates index tool-call arguments as objects; clients send JSON strings.
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the string as sent
+        parsed.append(message)
+    return parsed
+
+
+def _prompt(body: dict) -> Any:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        return prompt
+    raise _bad("prompt", "a non-empty string or a non-empty list of token ids (one prompt per request)", prompt)
+
+
+def _sampling_fields(body: dict, defaults: ServerDefaults) -> Dict[str, Any]:
+    return dict(
+        temp=_real(body, "temperature", defaults.temperature, 0.0, 100.0),
+        top_p=_real(body, "top_p", defaults.top_p, 0.0, 1.0),
+        top_k=_integer(body, "top_k", defaults.top_k, 0, 1 << 31),
+        min_p=_real(body, "min_p", defaults.min_p, 0.0, 1.0),
+        xtc_probability=_real(body, "xtc_probability", 0.0, 0.0, 1.0),
+        xtc_threshold=_real(body, "xtc_threshold", 0.1, 0.0, 0.5),
+    )
+
+
+def _penalty_fields(body: dict) -> Dict[str, Any]:
+    return dict(
+        repetition_penalty=_real(body, "repetition_penalty", None, 0.0, 100.0),
+        repetition_context_size=_integer(body, "repetition_context_size", 20, 1, MAX_CONTEXT_SIZE),
+        presence_penalty=_real(body, "presence_penalty", None, -2.0, 2.0),
+        presence_context_size=_integer(body, "presence_context_size", 20, 1, MAX_CONTEXT_SIZE),
+        frequency_penalty=_real(body, "frequency_penalty", None, -2.0, 2.0),
+        frequency_context_size=_integer(body, "frequency_context_size", 20, 1, MAX_CONTEXT_SIZE),
+    )
+
+
+def parse_request(body: Any, kind: str, defaults: ServerDefaults) -> GenerationRequest:
+    """Validate a decoded JSON body for the chat ("chat") or completions ("text")
+    endpoint; RequestError(400) names the first bad field and its value."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _integer(body, "n", 1, 1, 1)  # one choice per request
+    max_tokens = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", defaults.max_tokens, 1, MAX_TOKENS_LIMIT)
+    if kind == "chat":
+        logprobs = _get(body, "logprobs", (bool,), "true or false", False)
+        top_logprobs = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    else:  # the completions API's `logprobs` is the number of alternatives
+        top_logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
+    stream_options = _get(body, "stream_options", (dict,), "an object", {})
+    template_kwargs = _get(body, "chat_template_kwargs", (dict,), "an object", {})
+    return GenerationRequest(
+        kind=kind,
+        model=_get(body, "model", (str,), "a string"),
+        draft_model=_get(body, "draft_model", (str,), "a string"),
+        messages=_messages(body) if kind == "chat" else None,
+        prompt=_prompt(body) if kind == "text" else None,
+        tools=_get(body, "tools", (list,), "a list of tools"),
+        chat_template_kwargs={**defaults.chat_template_args, **template_kwargs},
+        max_tokens=max_tokens,
+        sampling=_sampling_fields(body, defaults),
+        penalties=_penalty_fields(body),
+        logit_bias=_logit_bias(body),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        seed=_integer(body, "seed", None, -(1 << 63), (1 << 64) - 1),
+        stop=_stop_strings(body),
+        stream=_get(body, "stream", (bool,), "true or false", False),
+        include_usage=_get(stream_options, "include_usage", (bool,), "true or false", False),
+        num_draft_tokens=_integer(body, "num_draft_tokens", None, 1, MAX_NUM_DRAFT_TOKENS),
+    )
+
+
+class StopStringFilter:
+    """Streams text while holding back any tail that could begin a stop string, and
+    cuts the text before the first stop string."""
+
+    def __init__(self, stops: List[str]):
+        self.stops = stops
+        self.text = ""
+        self.sent = 0  # characters of `text` already returned
+
+    def add(self, segment: str) -> Tuple[str, bool]:
+        """Append `segment`; returns (text now safe to send, whether a stop string ended it)."""
+        self.text += segment
+        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return self.flush(), True
+        held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        end = max(self.sent, len(self.text) - held)
+        out, self.sent = self.text[self.sent : end], end
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: List[Tuple[str, float]]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    speculation: Optional[SpeculationStats]
+    logprobs: List[TokenLogprob]
+
+
+# ---------------------------------------------------------------------------
+# OpenAI response bodies (handler threads).
+
+
+def _utf8(text: str) -> Optional[List[int]]:
+    # A token holding part of a character decodes to U+FFFD: its bytes are unknown here.
+    return None if "\ufffd" in text else list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: List[TokenLogprob]) -> dict:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": _utf8(e.token),
+         "top_logprobs": [{"token": t, "logprob": v, "bytes": _utf8(t)} for t, v in e.top]}
+        for e in entries
+    ]}
+
+
+def text_logprobs(entries: List[TokenLogprob], offset: int) -> dict:
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def usage(result: GenerationResult) -> dict:
+    body = {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+    spec = result.speculation
+    if spec is not None:
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": spec.num_accepted,
+                                             "rejected_prediction_tokens": spec.num_drafted - spec.num_accepted}
+        body["speculation"] = {"num_drafted": spec.num_drafted, "num_accepted": spec.num_accepted,
+                               "num_target_forwards": spec.num_target_forwards}
+    return body
+
+
+SYSTEM_FINGERPRINT = f"mlx_lm-{__version__}-mlx-{mx.__version__}-{platform.system().lower()}-{platform.machine()}"
+
+
+class ResponseBuilder:
+    """Builds the chat.completion / text_completion bodies and chunks of one request."""
+
+    def __init__(self, request: GenerationRequest, model_name: str):
+        self.chat = request.kind == "chat"
+        self.logprobs = request.logprobs
+        self.header = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4()}", "created": int(time.time()),
+                       "model": model_name, "system_fingerprint": SYSTEM_FINGERPRINT}
+        self.chunk_header = {**self.header, "object": "chat.completion.chunk" if self.chat else "text_completion"}
+        self.text_offset = 0
+
+    def _choice(self, text: str, entries: List[TokenLogprob], finish_reason: Optional[str], stream: bool) -> dict:
+        choice: Dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.logprobs:
+            choice["logprobs"] = chat_logprobs(entries) if self.chat else text_logprobs(entries, self.text_offset)
+        self.text_offset += len(text)
+        if not self.chat:
+            choice["text"] = text
+        elif stream:
+            choice["delta"] = {"content": text} if text or finish_reason is None else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": text or None}
+        return choice
+
+    def completion(self, result: GenerationResult) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        choice = self._choice(result.text, result.logprobs, result.finish_reason, stream=False)
+        return {**self.header, "object": obj, "choices": [choice], "usage": usage(result)}
+
+    def chunk(self, text: str, entries: List[TokenLogprob], finish_reason: Optional[str] = None) -> dict:
+        return {**self.chunk_header, "choices": [self._choice(text, entries, finish_reason, stream=True)]}
+
+    def role_chunk(self) -> dict:
+        delta = {"role": "assistant", "content": ""}
+        return {**self.chunk_header, "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]}
+
+    def usage_chunk(self, result: GenerationResult) -> dict:
+        return {**self.chunk_header, "choices": [], "usage": usage(result)}
+
+
+def error_body(status: int, message: str) -> dict:
+    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
