@@ -126,7 +126,43 @@ class _BaseCache:
         return obj
 
 
-class KVCache(_BaseCache):
+class _AppendOnlyCache(_BaseCache):
+    """A cache holding every token seen, `offset` of them: trimming forgets exactly by
+    moving `offset` back (rows past it are overwritten later), so speculation needs no
+    records."""
+
+    offset: int
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+        if num_queries == 1 and (window_size is None or self.offset < window_size):
+            return None
+        return create_causal_mask(num_queries, self.offset, window_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        pass
+
+    def stop_speculation(self) -> None:
+        pass
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        if n > self.offset:
+            raise ValueError(f"Cannot trim {n} tokens from a {type(self).__name__} holding {self.offset}")
+        self.offset -= n
+        return n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+class KVCache(_AppendOnlyCache):
     """Keys and values (B, H_kv, T, D) of every token seen, grown in blocks of `step`."""
 
     step = 256
@@ -147,14 +183,6 @@ class KVCache(_BaseCache):
         self.offset = end
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
-        if num_queries == 1 and (window_size is None or self.offset < window_size):
-            return None
-        return create_causal_mask(num_queries, self.offset, window_size)
-
-    def size(self) -> int:
-        return self.offset
-
     @property
     def state(self):
         if self.keys is None:
@@ -174,30 +202,9 @@ class KVCache(_BaseCache):
     def meta_state(self, value):
         pass
 
-    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
-        pass  # trimming already forgets exactly
-
-    def stop_speculation(self) -> None:
-        pass
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Forget the last n tokens (the buffer rows are overwritten later)."""
-        if n <= 0:
-            return 0
-        if n > self.offset:
-            raise ValueError(f"Cannot trim {n} tokens from a KVCache holding {self.offset}")
-        self.offset -= n
-        return n
-
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
-    def empty(self) -> bool:
-        return self.keys is None
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
         """A QuantizedKVCache holding these tokens (each row quantized on its own, so
@@ -599,7 +606,7 @@ def check_kv_quantization_params(group_size: int, bits: int) -> None:
         )
 
 
-class QuantizedKVCache(_BaseCache):
+class QuantizedKVCache(_AppendOnlyCache):
     """Keys and values quantized along the head dimension as they arrive.
 
     Each of keys and values is a (packed, scales, biases) triple: uint32
@@ -643,14 +650,6 @@ class QuantizedKVCache(_BaseCache):
     def _upto(triple: Tuple[mx.array, ...], end: int) -> Tuple[mx.array, ...]:
         return tuple(t[..., :end, :] for t in triple)
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
-        if num_queries == 1 and (window_size is None or self.offset < window_size):
-            return None
-        return create_causal_mask(num_queries, self.offset, window_size)
-
-    def size(self) -> int:
-        return self.offset
-
     @property
     def state(self):
         if self.keys is None:
@@ -675,29 +674,9 @@ class QuantizedKVCache(_BaseCache):
             raise ValueError(f"QuantizedKVCache offset {offset} exceeds the {held} rows it holds")
         self.offset, self.group_size, self.bits = offset, group_size, bits
 
-    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
-        pass  # trimming already forgets exactly
-
-    def stop_speculation(self) -> None:
-        pass
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        if n <= 0:
-            return 0
-        if n > self.offset:
-            raise ValueError(f"Cannot trim {n} tokens from a QuantizedKVCache holding {self.offset}")
-        self.offset -= n
-        return n
-
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else sum(t.nbytes for t in self.keys + self.values)
-
-    def empty(self) -> bool:
-        return self.keys is None
 
 
 CACHE_CLASSES[QuantizedKVCache.__name__] = QuantizedKVCache
