@@ -155,6 +155,18 @@ def maybe_quantize_kv_cache(
             prompt_cache[i] = entry.to_quantized(group_size=kv_group_size, bits=kv_bits)
 
 
+def kv_quantizer(
+    prompt_cache: List[Any], kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int
+) -> Callable[[List[Any]], None]:
+    """Check the KV quantization settings against the cache before any work; returns
+    the function that quantizes a cache list's entries once they are long enough."""
+    if kv_bits is not None:
+        cache.check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
+    return functools.partial(
+        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
+    )
+
+
 def generate_step(
     prompt: mx.array,
     model: nn.Module,
@@ -185,11 +197,7 @@ def generate_step(
         prompt_cache = cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     elif max_kv_size is not None:
         raise ValueError("max_kv_size cannot be combined with a prompt_cache; size the cache when making it")
-    if kv_bits is not None:
-        cache.check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
-    quantize_kv = functools.partial(
-        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
-    )
+    quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
     sampler = sampler or make_sampler()
     logits_processors = logits_processors or []
     history = prompt if logits_processors else None
@@ -344,11 +352,7 @@ def speculative_generate_step(
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
     progress = prompt_progress_callback or (lambda done, total: None)
-    if kv_bits is not None:
-        cache.check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
-    quantize_kv = functools.partial(
-        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
-    )
+    quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
     prefill(draft_model, prompt, draft_cache, prefill_step_size, lambda done, total: None, quantize_kv)
     prefill(model, prompt, target_cache, prefill_step_size, progress, quantize_kv)
