@@ -269,20 +269,21 @@ def _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size) -> 
 def verify(
     model: nn.Module,
     tokens: mx.array,
+    drafts: mx.array,
     prompt_cache: List[Any],
     sampler: Callable[[mx.array], mx.array],
     logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
     history: List[int],
-    drafts: List[int],
 ) -> Tuple[List[int], mx.array]:
-    """One target forward over `tokens` (ending with the drafts); sample the target's
-    own token after each of the last len(drafts) + 1 positions.
-    Returns (tokens, logprobs (len(drafts) + 1, V))."""
-    logits = model(tokens[None], cache=prompt_cache)[0, -(len(drafts) + 1) :]
+    """One target forward over `tokens` then the `drafts` (1-D, possibly empty); sample
+    the target's own token after each of the last drafts.size + 1 positions.
+    Returns (tokens, logprobs (drafts.size + 1, V))."""
+    num_scored = drafts.size + 1
+    logits = model(mx.concatenate([tokens, drafts])[None], cache=prompt_cache)[0, -num_scored:]
     if logits_processors:
         rows = []
-        for i in range(len(drafts) + 1):
-            row, seen = logits[i : i + 1], mx.array(history + drafts[:i])
+        for i in range(num_scored):
+            row, seen = logits[i : i + 1], mx.concatenate([mx.array(history), drafts[:i]])
             for processor in logits_processors:
                 row = processor(seen, row)
             rows.append(row)
@@ -371,20 +372,22 @@ def speculative_generate_step(
             num_draft = min(num_draft_tokens, remaining - 1)
 
             # Draft: catch up on committed tokens, then propose num_draft.
-            draft_input, drafts = mx.array(sequence[draft_len:]), []
+            draft_input, drafts = mx.array(sequence[draft_len:], mx.uint32), []
             for _ in range(num_draft):
                 history = mx.concatenate([mx.array(sequence), *drafts]) if processors else None
                 token, _ = sample_next(draft_model, draft_input, draft_cache, sampler, processors, history)
                 draft_fed += draft_input.size
-                drafts.append(token)
-                draft_input = token
-            drafts = mx.concatenate(drafts).tolist() if drafts else []
+                drafts.append(token.astype(mx.uint32))
+                draft_input = drafts[-1]
+            drafts = mx.concatenate(drafts) if drafts else mx.array([], mx.uint32)
 
-            # Verify all drafts in one target forward, accept the agreeing prefix.
+            # Verify all drafts in one target forward (queued behind the lazy drafts, no
+            # sync between), accept the agreeing prefix.
             targets, logprobs = verify(
-                model, mx.array(sequence[target_len:] + drafts), target_cache, sampler,
-                processors, sequence, drafts,
+                model, mx.array(sequence[target_len:], mx.uint32), drafts, target_cache, sampler,
+                processors, sequence,
             )
+            drafts = drafts.tolist()
             target_fed = len(sequence) - target_len + len(drafts)
             num_accepted = accepted_prefix(drafts, targets)
 

@@ -185,3 +185,17 @@ def test_quantized_kv_cache_with_speculation(tmp_path):
                                                       max_tokens=20, prompt_cache=cache, **kv)]
     assert got == want
     assert all(type(c).__name__ == "QuantizedKVCache" and c.offset == PROMPT.size + 20 for c in cache)
+
+
+def test_logits_processors_apply_as_in_plain_generation():
+    """A repetition penalty changes the greedy output; speculation applies it per verified
+    position with the history that position would have had, so outputs still match."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    target, draft = model("qwen3_next_tf5"), model("qwen3_tf5")
+    processors = make_logits_processors(repetition_penalty=3.0, repetition_context_size=8)
+    want = [t for t, _ in generate_step(PROMPT, target, max_tokens=24, logits_processors=processors)]
+    assert want != plain(target, num_tokens=24)
+    got = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=24,
+                                    logits_processors=processors)
+    assert [t for t, _, _ in got] == want
