@@ -637,44 +637,46 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
-        from .utils import load
-
-        model, tokenizer = load(args.model)
-        draft_kwargs = {}
-        if args.draft_model is not None:
-            draft_model, _ = load(args.draft_model)
-            draft_kwargs = dict(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens)
-        for token in args.extra_eos_token:
-            tokenizer.add_eos_token(int(token) if token.isdigit() else token)
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-        def format_prompt(text: str) -> List[int]:
-            return build_prompt(tokenizer, text, args.system_prompt, not args.ignore_chat_template,
-                                args.chat_template_config or {})
-
-        cache_kwargs = {}
-        if args.kv_bits is not None:
-            cache_kwargs.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                                quantized_kv_start=args.quantized_kv_start)
-        if args.prompt_cache_file is None:
-            prompt_tokens = format_prompt(prompt)
-        else:
-            from .cache_prompt import load_cached_prompt
-
-            cached = load_cached_prompt(args.prompt_cache_file, model, args.model)
-            cache_kwargs["prompt_cache"], prompt_tokens = cached.resume(tokenizer, prompt, format_prompt)
-        sampler = make_sampler(
-            args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
-            xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
-            xtc_special_tokens=list(tokenizer.eos_token_ids),
-        )
-        text = generate(
-            model, tokenizer, prompt_tokens, verbose=args.verbose, max_tokens=args.max_tokens,
-            sampler=sampler, max_kv_size=args.max_kv_size, **draft_kwargs, **cache_kwargs,
-        )
+        text = run(args)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")
     if not args.verbose:
         print(text)
+
+
+def run(args: argparse.Namespace) -> str:
+    """Load the model (and draft) and generate as the parsed command line says."""
+    from .utils import load
+
+    model, tokenizer = load(args.model)
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(int(token) if token.isdigit() else token)
+    sampler = make_sampler(
+        args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
+        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=list(tokenizer.eos_token_ids),
+    )
+    kwargs = dict(max_tokens=args.max_tokens, sampler=sampler, max_kv_size=args.max_kv_size)
+    if args.draft_model is not None:
+        kwargs.update(draft_model=load(args.draft_model)[0], num_draft_tokens=args.num_draft_tokens)
+    if args.kv_bits is not None:
+        kwargs.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                      quantized_kv_start=args.quantized_kv_start)
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+
+    def format_prompt(text: str) -> List[int]:
+        return build_prompt(tokenizer, text, args.system_prompt, not args.ignore_chat_template,
+                            args.chat_template_config or {})
+
+    if args.prompt_cache_file is None:
+        prompt_tokens = format_prompt(prompt)
+    else:
+        from .cache_prompt import load_cached_prompt
+
+        cached = load_cached_prompt(args.prompt_cache_file, model, args.model)
+        kwargs["prompt_cache"], prompt_tokens = cached.resume(tokenizer, prompt, format_prompt)
+    return generate(model, tokenizer, prompt_tokens, verbose=args.verbose, **kwargs)
 
 
 if __name__ == "__main__":

@@ -180,3 +180,14 @@ def test_cli_errors_are_clear(tiny_model_dir, tmp_path):
     assert bad_flag.returncode == 2 and "true or false" in bad_flag.stderr
     unknown = run_cli("mlx_lm", "fly")
     assert unknown.returncode != 0 and "unknown command" in unknown.stderr
+
+
+def test_cli_speculative_prints_acceptance(tiny_model_dir):
+    result = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir),
+                     "--num-draft-tokens", "4", "--prompt", "def f(x):", "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert "Speculation:" in result.stdout and "accepted (100.0%)" in result.stdout
+    assert "tokens per target forward" in result.stdout
+    both = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir),
+                   "--prompt-cache-file", "x.safetensors")
+    assert both.returncode == 2 and "--prompt-cache-file cannot be combined" in both.stderr
