@@ -265,10 +265,36 @@ def gated_delta_replay(
     the state once where stepping does so T times (the state dominates the cost: 2 MB a
     layer at Qwen3-Next sizes against a few KB of inputs per step)."""
     g, beta, state = _fp32_inputs(q, k, v, g, beta, state)
-    T = q.shape[1]
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
     if T == 1:
         return gated_delta_sequential(q, k, v, g, beta, state)[1]
-    return gated_delta_chunked(q, k, v, g, beta, state, chunk_size=1 << (T - 1).bit_length())[1]
+    k = mx.repeat(k, Hv // Hk, axis=2) if Hv != Hk else k  # value head h reads key head h // r
+    C = 1 << (T - 1).bit_length()
+    # (B, T, H, ...) -> (B * Hv, C, ...), padded with steps that leave the state alone
+    # (g = 1, beta = 0, k = v = 0).
+    k, v = (_to_chunks(x.astype(mx.float32), 1, C)[0] for x in (k, v))
+    g, beta = (_to_chunks(x, 1, C)[0] for x in (g, beta))
+    g = mx.where(mx.arange(C) < T, g, 1.0)
+    S = _chunk_final_state(k, v, g, beta, state.reshape(B * Hv, Dv, Dk))
+    return S.reshape(B, Hv, Dv, Dk)
+
+
+@mx.compile
+def _chunk_final_state(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, S: mx.array) -> mx.array:
+    """The state after one chunk, nothing else (the UT form of `_chunk_block` without
+    the outputs). k (N, C, Dk), v (N, C, Dv), g, beta (N, C), S (N, Dv, Dk) -> (N, Dv, Dk)."""
+    C = k.shape[1]
+    gamma = mx.cumsum(mx.maximum(mx.log(g), _MIN_LOG_GATE), axis=-1)  # (N, C)
+    pos = mx.arange(C)
+    lower = pos[:, None] > pos[None, :]
+    decay = mx.exp(mx.where(lower, gamma[:, :, None] - gamma[:, None, :], -mx.inf))  # (N, C, C)
+    T_inv = unit_lower_inverse((k @ k.swapaxes(-1, -2)) * decay * beta[:, :, None])
+    u = T_inv @ (beta[..., None] * v)  # (N, C, Dv)
+    w = T_inv @ ((beta * mx.exp(gamma))[..., None] * k)  # (N, C, Dk)
+    v_new = u - w @ S.swapaxes(-1, -2)  # (N, C, Dv): what S mispredicts
+    k_tail = k * mx.exp(gamma[:, -1:] - gamma)[..., None]  # (N, C, Dk)
+    return mx.exp(gamma[:, -1])[:, None, None] * S + v_new.swapaxes(-1, -2) @ k_tail
 
 
 def _fp32_inputs(q, k, v, g, beta, state):
