@@ -1,0 +1,608 @@
+"""Speculative decoding on the demo pair (examples/models/): speed, acceptance, the
+theoretical bound, and upstream mlx-lm, side by side in one run.
+
+    python benchmarks/spec_bench.py [--tokens 80] [--reps 3] [--blas auto|openblas|reference]
+
+Everything is greedy (argmax), so speculative output must equal plain output token for
+token; every run is checked. A tok/s figure is the generated tokens over the wall time of
+the whole call (prefill included, the prompts are short), summed over a fixed set of code
+prompts. For every configuration each prompt is decoded plainly and then speculatively,
+back to back, so load from other users of the machine hits both alike; a speedup is the
+ratio of those paired times, and the median over repetitions counts.
+
+1. Demo pair, num_draft_tokens k = 1..8: plain vs speculative tok/s, acceptance rate
+   (accepted / drafted), tokens per target forward, and the per-token acceptance `a`
+   (accepted / draft tokens compared: each round compares its accepted prefix plus the
+   first rejected token, if any).
+2. The bound: speedup <= E * t_plain / (k * t_draft + t_verify(k+1)), with
+   E = (1 - a^(k+1)) / (1 - a) the expected tokens per round. t_plain is plain
+   decoding's own time per token in the same repetition; k * t_draft is k chained
+   draft steps evaluated once (as the loop drafts); t_verify(k+1) is one (k+1)-token
+   target forward with rollback recording on (as in a speculative round); each step a
+   forward plus log-softmax and argmax, median of `--calls` calls. Efficiency =
+   measured speedup / bound: what rollbacks, catch-up feeds and bookkeeping leave of
+   the ideal. t_verify(k+1) / (one target forward, timed the same way) is what a CPU
+   makes expensive.
+3. Acceptance sweep at k=4: a synthetic draft that costs what the demo draft costs (it
+   runs the demo draft's forward) but proposes the target's own greedy token with
+   probability p, else a wrong one; speedup vs measured acceptance next to the bound.
+4. The peer: upstream mlx-lm from PyPI in its own venv (benchmarks/.venv-upstream, made
+   on first use) and this fork, each in a child process under the same BLAS, alternating,
+   best of `--peer-rounds`: plain decoding on both demo checkpoints, speculative decoding
+   on a dense pair (the demo draft as target, its first layer alone as draft), and what
+   upstream does with the hybrid pair. Upstream 0.32 cannot load a dense qwen3_next
+   checkpoint as transformers saves it (its sanitize returns early when it finds no
+   experts, so the conv1d weights keep the transformers layout); the error is reported
+   and both sides then run on one MLX-converted copy of the same weights
+   (`mlx_lm.convert`, no quantization).
+The mlx-cpu wheel links the netlib reference BLAS; with OpenBLAS installed (apt-get
+install libopenblas0-pthread) the script re-executes itself with it preloaded, one BLAS
+thread (the machine is shared), and says which BLAS ran. Writes results/spec_bench.md
+and results/spec_bench.png.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+from gdn_prefill import RESULTS, blas_env, find_openblas  # noqa: E402
+
+VENV = Path(__file__).parent / ".venv-upstream"
+MODELS = ROOT / "examples" / "models"
+TARGET = MODELS / "qwen3-next-stdlib"
+DRAFT = MODELS / "qwen3-draft-stdlib"
+PROMPTS = [
+    "def fibonacci(n):",
+    "class Stack:\n    def __init__(self):",
+    "import os\n\n\ndef list_files(path):",
+]
+SWEEP_K = 4
+SWEEP_P = [0.0, 0.5, 0.7, 0.8, 0.9, 1.0]
+BLAS_MARKER = "SPEC_BENCH_BLAS"
+
+
+# --- shared by both interpreters (the peer workers) ----------------------------------
+
+
+def timed_generation(step_fn, prompts, tokens: int):
+    """Run `step_fn(prompt)` over every prompt; (total seconds, tokens, from_draft flags)."""
+    import mlx.core as mx
+
+    outputs, flags, seconds = [], [], 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        out, fl = [], []
+        for item in step_fn(mx.array(prompt)):
+            out.append(item[0] if isinstance(item[0], int) else int(item[0]))
+            fl.append(bool(item[2]) if len(item) > 2 else False)
+            if len(out) == tokens:
+                break
+        seconds += time.perf_counter() - start
+        outputs.append(out)
+        flags.append(fl)
+    return seconds, outputs, flags
+
+
+def worker(spec: dict) -> dict:
+    """One peer measurement, in whichever interpreter runs it (only shared API)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.utils import load_model
+
+    result = {"version": mlx_lm.__version__}
+    try:
+        model, _ = load_model(Path(spec["model"]))
+        draft = load_model(Path(spec["draft"]))[0] if spec.get("draft") else None
+    except Exception as e:  # reported, not raised: the error is the measurement
+        return {**result, "error": f"load: {type(e).__name__}: {e}"}
+    tokens, k = spec["tokens"], spec.get("k", 4)
+    if draft is None:
+        step_fn = lambda p: generate_step(p, model, max_tokens=tokens)  # noqa: E731
+    else:
+        step_fn = lambda p: speculative_generate_step(p, model, draft, num_draft_tokens=k, max_tokens=tokens)  # noqa: E731
+    try:
+        timed_generation(step_fn, spec["prompts"][:1], 8)  # warm-up
+        seconds, outputs, flags = timed_generation(step_fn, spec["prompts"], tokens)
+    except Exception as e:
+        return {**result, "error": f"{type(e).__name__}: {e}"}
+    mx.clear_cache()
+    return {**result, "tok_s": sum(map(len, outputs)) / seconds, "tokens": outputs,
+            "acceptance": round_stats(flags, k, tokens)["rate"] if draft is not None else None}
+
+
+def round_stats(flags, k: int, tokens: int) -> dict:
+    """Rounds rebuilt from the from_draft flags (accepted drafts, then the target's token).
+
+    rate: accepted / drafted; per_token: accepted / compared (the geometric estimate of
+    the per-token acceptance); tokens_per_round: tokens / target forwards."""
+    accepted = drafted = compared = rounds = emitted = 0
+    for run in flags:
+        done = n = 0
+        for from_draft in run:
+            if from_draft:
+                n += 1
+                continue
+            num_draft = min(k, tokens - done - 1)
+            accepted, drafted, rounds = accepted + n, drafted + num_draft, rounds + 1
+            compared += n + (n < num_draft)
+            done += n + 1
+            n = 0
+        emitted += done
+    return dict(rate=accepted / max(drafted, 1), per_token=accepted / max(compared, 1),
+                tokens_per_round=emitted / max(rounds, 1), rounds=rounds)
+
+
+# --- this fork: the demo pair --------------------------------------------------------
+
+
+class SyntheticDraft:
+    """The demo draft's cost with a chosen acceptance: runs the draft's forward, then
+    returns logits whose argmax is the target's greedy token at that position with
+    probability p (a fixed per-position coin), else a wrong token."""
+
+    def __init__(self, draft, sequences, p: float, seed: int = 0):
+        import numpy as np
+
+        self.draft, self.layers, self.args = draft, draft.layers, draft.args
+        self.sequences = sequences  # prompt + plain greedy output, one per prompt
+        self.hits = np.random.default_rng(seed).random((len(sequences), 4096)) < p
+        self.current = None
+
+    def make_cache(self):
+        return self.draft.make_cache()
+
+    def __call__(self, inputs, cache=None):
+        import mlx.core as mx
+
+        position = cache[0].offset + inputs.shape[1]  # index of the token to predict
+        logits = self.draft(inputs, cache=cache)
+        sequence = self.sequences[self.current]
+        right = sequence[position] if position < len(sequence) else 0
+        token = right if self.hits[self.current, position] else (right + 1 + position) % self.args.vocab_size
+        row = mx.where(mx.arange(self.args.vocab_size) == token, 10.0, -10.0)
+        return logits * 0 + row  # depends on the draft's logits, so its forward runs
+
+
+def forward_seconds(model, prompt_cache, num_tokens: int, record: bool) -> float:
+    """Time of one `num_tokens` forward + log-softmax + argmax, evaluated. With `record`,
+    the caches record rollbacks (as in a speculative round) and the forward is trimmed
+    away afterwards, untimed; else the cache keeps the tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    if record:
+        for c in prompt_cache:
+            c.start_speculation(rollback_window=num_tokens)
+    inputs = mx.array([[(17 * j) % 1000 + 10 for j in range(num_tokens)]])
+    start = time.perf_counter()
+    logits = model(inputs, cache=prompt_cache)[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(mx.argmax(logprobs, axis=-1), [c.state for c in prompt_cache])
+    seconds = time.perf_counter() - start
+    if record:
+        trim_prompt_cache(prompt_cache, num_tokens)
+        for c in prompt_cache:
+            c.stop_speculation()
+    return seconds
+
+
+def draft_seconds(draft, prompt_cache, k: int) -> float:
+    """Time of k chained single-token draft steps, evaluated once at the end as the
+    speculative loop does; trimmed away afterwards, untimed."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    y = mx.array([10])
+    start = time.perf_counter()
+    for _ in range(k):
+        logits = draft(y[None], cache=prompt_cache)[:, -1, :]
+        y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+    mx.eval(y, [c.state for c in prompt_cache])
+    seconds = time.perf_counter() - start
+    trim_prompt_cache(prompt_cache, k)
+    return seconds
+
+
+def component_times(target, draft, context, ks, calls: int) -> dict:
+    """Medians over `calls` rounds, each timing every component once (round-robin, so a
+    burst of load on the shared machine spreads over all of them): plain_forward, one
+    target token; draft{k}, k draft steps; verify{k+1}, one (k+1)-token target forward
+    with rollback recording on."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def prefilled(model):
+        c = make_prompt_cache(model)
+        model(mx.array(context)[None], cache=c)
+        mx.eval([x.state for x in c])
+        return c
+
+    plain_cache, target_cache, draft_cache = prefilled(target), prefilled(target), prefilled(draft)
+    components = {"plain_forward": lambda: forward_seconds(target, plain_cache, 1, record=False)}
+    for k in sorted(set(ks) | {SWEEP_K}):
+        components[f"draft{k}"] = lambda k=k: draft_seconds(draft, draft_cache, k)
+        components[f"verify{k + 1}"] = lambda k=k: forward_seconds(target, target_cache, k + 1, record=True)
+    samples = {name: [] for name in components}
+    for i in range(calls + 2):  # two warm-up rounds
+        for name, measure in components.items():
+            seconds = measure()
+            if i >= 2:
+                samples[name].append(seconds)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def expected_tokens(a: float, k: int) -> float:
+    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def bound(a: float, k: int, t: dict) -> float:
+    """E[tokens per round] * t_plain / (k draft steps + one (k+1)-token verify)."""
+    return expected_tokens(a, k) * t["plain"] / (t[f"draft{k}"] + t[f"verify{k + 1}"])
+
+
+def measure_ours(target, draft, prompts, args) -> dict:
+    """Per repetition: component times, then for every configuration, prompt by prompt,
+    plain decoding and the speculative run back to back (so load on the shared machine
+    hits both alike). Medians over repetitions."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    ks = list(range(1, args.max_k + 1))
+    plain_fn = lambda p: generate_step(p, target, max_tokens=args.tokens)  # noqa: E731
+    timed_generation(plain_fn, prompts[:1], 8)  # warm-up
+    _, reference, _ = timed_generation(plain_fn, prompts, args.tokens)
+    sequences = [p + r for p, r in zip(prompts, reference)]
+    synthetic = {p: SyntheticDraft(draft, sequences, p, seed=1) for p in SWEEP_P}
+    configs = [("k", k, draft) for k in ks] + [("p", p, synthetic[p]) for p in SWEEP_P]
+    rows = {(kind, value): {"runs": [], "identical": True} for kind, value, _ in configs}
+    components = []
+    for rep in range(args.reps):
+        components.append(component_times(target, draft, sequences[0][:64], ks, args.calls))
+        print(f"rep {rep + 1}/{args.reps}", flush=True)
+        for kind, value, draft_model in configs:
+            k = value if kind == "k" else SWEEP_K
+            plain_seconds = spec_seconds = 0.0
+            outputs, flags = [], []
+            for i, prompt in enumerate(prompts):
+                seconds, out, _ = timed_generation(plain_fn, [prompt], args.tokens)
+                assert out[0] == reference[i], "plain greedy decoding is not deterministic"
+                plain_seconds += seconds
+                if isinstance(draft_model, SyntheticDraft):
+                    draft_model.current = i
+                spec_fn = lambda p: speculative_generate_step(  # noqa: E731
+                    p, target, draft_model, num_draft_tokens=k, max_tokens=args.tokens)
+                seconds, out, fl = timed_generation(spec_fn, [prompt], args.tokens)
+                spec_seconds += seconds
+                outputs += out
+                flags += fl
+            row = rows[(kind, value)]
+            row["runs"].append((plain_seconds, spec_seconds))
+            row["identical"] &= outputs == reference
+            row.update(round_stats(flags, k, args.tokens), k=k)
+            print(f"  {kind}={value}: plain {len(prompts) * args.tokens / plain_seconds:.1f} tok/s, "
+                  f"speculative {len(prompts) * args.tokens / spec_seconds:.1f} tok/s "
+                  f"(x{plain_seconds / spec_seconds:.2f}), acceptance {row['rate']:.2f}, "
+                  f"identical {outputs == reference}", flush=True)
+    times = {name: statistics.median(c[name] for c in components) for name in components[0]}
+    num_tokens = len(prompts) * args.tokens
+    for row in rows.values():
+        plain_seconds = statistics.median(p for p, _ in row["runs"])
+        row["speedup"] = statistics.median(p / s for p, s in row["runs"])
+        row["plain_tok_s"] = num_tokens / plain_seconds
+        row["spec_tok_s"] = num_tokens / statistics.median(s for _, s in row["runs"])
+        row["bound"] = bound(row["per_token"], row["k"], dict(times, plain=plain_seconds / num_tokens))
+        row["efficiency"] = row["speedup"] / row["bound"]
+    times["plain"] = statistics.median(
+        p / num_tokens for row in rows.values() for p, _ in row["runs"])
+    return {"rows": rows, "times": times, "sample": reference[0]}
+
+
+def float32_plain(path: Path, target, prompts, tokens: int) -> dict:
+    """Plain decoding tok/s of the float16 checkpoint as loaded, and of the same weights
+    cast to float32 (MLX's CPU backend computes float16 by conversion), back to back."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    upcast, _ = load_model(path)
+    upcast.set_dtype(mx.float32)
+    result = {}
+    for name, model in (("float16", target), ("float32", upcast)):
+        fn = lambda p: generate_step(p, model, max_tokens=tokens)  # noqa: E731
+        timed_generation(fn, prompts[:1], 8)
+        seconds, _, _ = timed_generation(fn, prompts, tokens)
+        result[name] = len(prompts) * tokens / seconds
+    return result
+
+
+# --- the peer ------------------------------------------------------------------------
+
+
+def ensure_upstream() -> Path:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        print(f"creating {VENV} with upstream mlx-lm from PyPI ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "mlx[cpu]", "mlx-lm"], check=True)
+    return python
+
+
+def run_worker(python: str, spec: dict) -> dict:
+    out = subprocess.run([python, __file__, "--worker", json.dumps(spec)], capture_output=True,
+                         text=True, cwd=tempfile.gettempdir())  # cwd: never import ./mlx_lm by accident
+    if out.returncode:
+        return {"error": f"worker exited {out.returncode}: {out.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_first_layer_copy(source: Path, directory: Path) -> None:
+    """The dense draft cut to its first layer: a cheaper draft that often disagrees."""
+    import mlx.core as mx
+
+    weights = mx.load(str(source / "model.safetensors"))
+    keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or k.split(".")[2] == "0"}
+    directory.mkdir(parents=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), keep, metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def measure_peer(prompts, args, scratch: Path) -> list:
+    from mlx_lm.convert import convert
+
+    upstream = str(ensure_upstream())
+    converted, one_layer = scratch / "target-mlx", scratch / "draft-1-layer"
+    convert(str(args.target), mlx_path=converted)
+    write_first_layer_copy(args.draft, one_layer)
+    base = dict(prompts=prompts, tokens=args.tokens, k=SWEEP_K)
+    load_error = run_worker(upstream, dict(base, model=str(args.target))).get("error")
+    cases = [
+        ("plain, hybrid target (MLX-converted copy)", dict(base, model=str(converted))),
+        ("plain, dense draft checkpoint", dict(base, model=str(args.draft))),
+        (f"speculative k={SWEEP_K}, dense pair (draft as target, its layer 0 as draft)",
+         dict(base, model=str(args.draft), draft=str(one_layer))),
+        (f"speculative k={SWEEP_K}, hybrid demo pair", dict(base, model=str(converted), draft=str(args.draft))),
+    ]
+    rows = []
+    for name, spec in cases:
+        best = {}
+        for _ in range(args.peer_rounds):
+            for who, python in (("ours", sys.executable), ("upstream", upstream)):
+                result = run_worker(python, spec)
+                if result.get("tok_s", 0) > best.get(who, {}).get("tok_s", -1):
+                    best[who] = result
+        print(f"peer {name}: ours {best['ours'].get('tok_s', best['ours'].get('error'))}, "
+              f"upstream {best['upstream'].get('tok_s', best['upstream'].get('error'))}", flush=True)
+        rows.append((name, best["ours"], best["upstream"]))
+    return [("upstream loading the committed hybrid checkpoint", load_error), rows]
+
+
+# --- report --------------------------------------------------------------------------
+
+
+def loaded_blas() -> str:
+    """Which BLAS MLX calls: a preloaded OpenBLAS overrides the wheel's libblas."""
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    libs = {line.split()[-1] for line in maps.splitlines() if "blas" in line.lower() and "/" in line}
+    wheel = next((Path(lib).name for lib in libs if "mlx" in lib), "libblas")
+    preloaded = os.environ.get("LD_PRELOAD")
+    if preloaded and any(Path(lib).resolve() == Path(preloaded).resolve() for lib in libs):
+        settings = ", ".join(f"{k}={os.environ[k]}" for k in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS") if k in os.environ)
+        return f"OpenBLAS {preloaded} preloaded over the mlx-cpu wheel's {wheel}" + (f" ({settings})" if settings else "")
+    return f"the mlx-cpu wheel's reference BLAS ({wheel})"
+
+
+def model_line(path: Path, model) -> str:
+    from mlx.utils import tree_flatten
+
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
+    kind = json.loads((path / "config.json").read_text())["model_type"]
+    return f"`{path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path}`: {kind}, {params / 1e6:.2f}M parameters, {size:.1f} MB on disk"
+
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def goal_lines(ours, peer) -> list:
+    rows = ours["rows"]
+    demo = {v: r for (kind, v), r in rows.items() if kind == "k"}
+    best_k = max(demo, key=lambda k: demo[k]["speedup"])
+    efficiencies = [r["efficiency"] for r in rows.values()]
+    at = demo.get(SWEEP_K, demo[best_k])
+    lines = [
+        "## Goals (issue 7)",
+        "",
+        f"- acceptance at k={at['k']} >= 60%: **{at['rate']:.1%}**",
+        f"- speculative >= 1.5x plain: **{at['speedup']:.2f}x** at k={at['k']}, "
+        f"best **{demo[best_k]['speedup']:.2f}x** at k={best_k}",
+        f"- token-identical to plain decoding: **{all(r['identical'] for r in rows.values())}** (every run)",
+        f"- efficiency >= 90% of the bound: median **{statistics.median(efficiencies):.0%}**, "
+        f"range {min(efficiencies):.0%} to {max(efficiencies):.0%} over the k and p rows",
+    ]
+    if peer:
+        ratios = [f"{name.split(',')[1].strip()} **{mine['tok_s'] / theirs['tok_s']:.2f}**"
+                  for name, mine, theirs in peer[1] if name.startswith("plain") and "tok_s" in mine and "tok_s" in theirs]
+        lines.append("- plain decoding >= 0.95x upstream: " + ", ".join(ratios))
+    f32 = ours.get("float32")
+    if f32:
+        lines.append(f"- context: plain decoding of the float16 target runs at {f32['float16']:.1f} tok/s; the same "
+                     f"weights cast to float32 run at {f32['float32']:.1f} tok/s on this CPU")
+    return lines
+
+
+def write_report(ours, peer, header, tokenizer, args) -> str:
+    rows, t = ours["rows"], ours["times"]
+    ks = [v for kind, v in rows if kind == "k"]
+    lines = [
+        "# Speculative decoding on the demo pair",
+        "",
+        *header,
+        f"- greedy; {len(PROMPTS)} code prompts x {args.tokens} tokens; median of {args.reps} repetitions; "
+        f"component times: median of {args.calls} calls",
+        "",
+        *goal_lines(ours, peer),
+        "",
+        "## Plain vs speculative, k = 1..8",
+        "",
+        "| k | acceptance | per-token a | tokens / forward | plain tok/s | spec tok/s | speedup | bound | efficiency | t_verify(k+1) / t_plain | identical |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for k in ks:
+        r = rows[("k", k)]
+        lines.append(
+            f"| {k} | {r['rate']:.1%} | {r['per_token']:.3f} | {r['tokens_per_round']:.2f} | {r['plain_tok_s']:.1f} | "
+            f"{r['spec_tok_s']:.1f} | **{r['speedup']:.2f}x** | {r['bound']:.2f}x | {r['efficiency']:.0%} | "
+            f"{t[f'verify{k + 1}'] / t['plain_forward']:.2f} | {r['identical']} |"
+        )
+    lines += [
+        "",
+        f"Component times (ms): plain decoding {t['plain'] * 1e3:.2f} per token (t_plain of the bound); "
+        f"one target forward {t['plain_forward'] * 1e3:.2f}; one draft step "
+        f"{t[f'draft{SWEEP_K}'] / SWEEP_K * 1e3:.2f} (draft / target forward = "
+        f"{t[f'draft{SWEEP_K}'] / SWEEP_K / t['plain_forward']:.3f}).",
+        "",
+        "| k | k draft steps (ms) | t_verify(k+1) (ms) | t_verify(k+1) / target forward |",
+        "|---:|---:|---:|---:|",
+        *(f"| {k} | {t[f'draft{k}'] * 1e3:.2f} | {t[f'verify{k + 1}'] * 1e3:.2f} | "
+          f"{t[f'verify{k + 1}'] / t['plain_forward']:.2f} |" for k in ks),
+        "",
+        f"## Acceptance sweep, k = {SWEEP_K}, synthetic draft at the demo draft's cost",
+        "",
+        "| p | acceptance | per-token a | tokens / forward | speedup | bound | efficiency | identical |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for p in SWEEP_P:
+        r = rows[("p", p)]
+        lines.append(
+            f"| {p:.2f} | {r['rate']:.1%} | {r['per_token']:.3f} | {r['tokens_per_round']:.2f} | "
+            f"**{r['speedup']:.2f}x** | {r['bound']:.2f}x | {r['efficiency']:.0%} | {r['identical']} |"
+        )
+    (load_name, load_error), peer_rows = peer if peer else ((None, None), [])
+    if peer:
+        lines += [
+            "",
+            "## This fork vs upstream mlx-lm (child processes, same BLAS, best of "
+            f"{args.peer_rounds} alternating rounds)",
+            "",
+            f"- {load_name}: `{load_error or 'loads'}`",
+            "",
+            "| case | ours tok/s | upstream tok/s | ours / upstream | acceptance (ours, upstream) | same tokens |",
+            "|---|---:|---:|---:|---|---|",
+        ]
+        for name, mine, theirs in peer_rows:
+            if "error" in theirs or "error" in mine:
+                lines.append(f"| {name} | {fmt(mine.get('tok_s'), '.1f')} | error: `{theirs.get('error', '')}` "
+                             f"{'(ours: ' + mine['error'] + ')' if 'error' in mine else ''} | - | - | - |")
+                continue
+            acc = (f"{mine['acceptance']:.1%}, {theirs['acceptance']:.1%}" if mine.get("acceptance") is not None else "-")
+            lines.append(f"| {name} | {mine['tok_s']:.1f} | {theirs['tok_s']:.1f} ({theirs['version']}) | "
+                         f"**{mine['tok_s'] / theirs['tok_s']:.2f}** | {acc} | {mine['tokens'] == theirs['tokens']} |")
+    sample = tokenizer.decode(ours["sample"])
+    lines += ["", f"Sample (plain greedy, prompt `{PROMPTS[0]}`):", "", "```python", PROMPTS[0] + sample, "```"]
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "spec_bench.md").write_text(text)
+    return text
+
+
+def write_plot(ours) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, t = ours["rows"], ours["times"]
+    ks = [v for kind, v in rows if kind == "k"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(ks, [rows[("k", k)]["speedup"] for k in ks], "o-", label="measured")
+    left.plot(ks, [rows[("k", k)]["bound"] for k in ks], "s--", label="bound (measured a and costs)")
+    left.axhline(1, color="grey", lw=0.8)
+    left.set_xlabel("num_draft_tokens k")
+    left.set_ylabel("speedup over plain decoding")
+    left.set_title("demo pair (qwen3_next hybrid + qwen3 draft)")
+    left.legend()
+    grid = [i / 100 for i in range(0, 101)]
+    right.plot(grid, [bound(a, SWEEP_K, t) for a in grid], "-", color="C1", label=f"bound, k={SWEEP_K}")
+    sweep = [rows[("p", p)] for p in SWEEP_P]
+    right.plot([r["per_token"] for r in sweep], [r["speedup"] for r in sweep], "o", color="C0",
+               label="synthetic draft (measured)")
+    demo = rows.get(("k", SWEEP_K))
+    if demo is not None:
+        right.plot([demo["per_token"]], [demo["speedup"]], "*", ms=14, color="C3", label="demo draft")
+    right.axhline(1, color="grey", lw=0.8)
+    right.set_xlabel("per-token acceptance a")
+    right.set_ylabel("speedup")
+    right.set_title(f"speedup vs acceptance, k={SWEEP_K}")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "spec_bench.png", dpi=120)
+
+
+def reexec_with_blas(choice: str) -> None:
+    if os.environ.get(BLAS_MARKER) or choice == "reference" or (choice == "auto" and not find_openblas()):
+        return
+    env = blas_env("openblas")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env[BLAS_MARKER] = "1"
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=80, help="tokens generated per prompt")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=20, help="calls per component timing")
+    parser.add_argument("--max-k", type=int, default=8)
+    parser.add_argument("--peer-rounds", type=int, default=2)
+    parser.add_argument("--no-peer", action="store_true", help="skip upstream mlx-lm")
+    parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
+    parser.add_argument("--target", type=Path, default=TARGET, help="target checkpoint (default: the demo's)")
+    parser.add_argument("--draft", type=Path, default=DRAFT, help="draft checkpoint (default: the demo's)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    reexec_with_blas(args.blas)
+    sys.path.insert(0, str(ROOT))
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.utils import load_model
+
+    target, tokenizer = load(str(args.target))
+    draft, _ = load_model(args.draft)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    blas = loaded_blas()
+    print(f"BLAS: {blas}", flush=True)
+    header = [
+        f"- BLAS: {blas}",
+        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), mlx {mx.__version__}",
+        f"- target {model_line(args.target, target)}",
+        f"- draft {model_line(args.draft, draft)}",
+    ]
+    started = time.time()
+    ours = measure_ours(target, draft, prompts, args)
+    ours["float32"] = float32_plain(args.target, target, prompts, args.tokens)
+    peer = None
+    if not args.no_peer:
+        with tempfile.TemporaryDirectory() as scratch:
+            peer = measure_peer(prompts, args, Path(scratch))
+    header.append(f"- benchmark wall time {(time.time() - started) / 60:.1f} min")
+    RESULTS.mkdir(exist_ok=True)
+    print(write_report(ours, peer, header, tokenizer, args))
+    write_plot(ours)
+
+
+if __name__ == "__main__":
+    main()

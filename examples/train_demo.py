@@ -1,0 +1,427 @@
+"""Train the demo pair in examples/models/: a Gated-DeltaNet hybrid target and a small
+dense draft distilled to agree with it, sharing one byte-level BPE tokenizer.
+
+    python examples/train_demo.py [--out examples/models] [--threads 1]
+
+A build tool, not part of the library: it uses torch (CPU), transformers
+(Qwen3NextForCausalLM, Qwen3ForCausalLM) and tokenizers, none of which mlx_lm needs at
+run time. Measured here with torch 2.13.0, transformers 5.24.0, tokenizers 0.23.3 on
+one core of a shared Xeon (bf16 autocast on AMX): about 45 minutes.
+
+Stages (each seeded, so a rerun with the same versions gives the same files):
+1. Corpus: the `.py` sources of the running interpreter's standard library (Python
+   Software Foundation License, permissive), as a fixed sorted file list; tests,
+   encoding tables, generated data and files over 256 KB are left out. Every 50th file
+   is held out for validation. Python 3.11.7 was used for the committed checkpoints;
+   another version gives a slightly different corpus, hence slightly different weights.
+2. Tokenizer: byte-level BPE (GPT-2 pre-tokenizer regex), 4096 tokens, special tokens
+   `<|endoftext|>` (end of each file and eos), `<|im_start|>`, `<|im_end|>`. These are
+   base (completion) models: the chat template passes the message contents through as
+   plain text, so `mlx_lm.generate --prompt "def fibonacci(n):"` completes the code.
+3. Target: qwen3_next, 8 layers ([GDN, GDN, GDN, attention] x 2), hidden 256, dense MLP
+   (num_experts 0: on a CPU a dense hybrid verifies k+1 tokens far more cheaply than a
+   mixture of experts), tied embeddings, trained from scratch on next-token prediction.
+4. Draft: qwen3, 2 layers, hidden 128, tied embeddings, distilled on the target: first
+   KL(target || draft) on corpus text, then cross-entropy on the target's own greedy
+   continuations of corpus prompts (what a greedy speculative run asks it to guess).
+Both are saved as transformers writes them (config.json, model.safetensors in float16,
+generation_config.json) plus tokenizer.json / tokenizer_config.json, so transformers,
+this library and upstream mlx-lm load the same files. The qwen3_next config also carries
+the transformers-4 keys (`rope_theta`, `partial_rotary_factor`,
+`full_attention_interval`) next to `rope_parameters`, since upstream mlx-lm 0.32 reads
+only those. A summary (sizes, losses, timings, corpus hash) goes to
+`<out>/training_log.json`.
+
+torch runs on `--threads` threads (default 1) so the machine's other core stays free.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers: one thread, deterministic merges
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+TARGET_NAME = "qwen3-next-stdlib"
+DRAFT_NAME = "qwen3-draft-stdlib"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 4096
+EXCLUDED_DIRS = {"test", "tests", "site-packages", "__pycache__", "pydoc_data", "encodings", "idle_test"}
+MAX_FILE_BYTES = 256 * 1024
+# Base models: render the conversation as its plain text (no role markers), so a chat
+# front end still gets a code completion.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+)
+
+TARGET_CONFIG = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    linear_conv_kernel_dim=4, num_experts=0, tie_word_embeddings=True, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0, pad_token_id=0,
+)
+DRAFT_CONFIG = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
+    max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0, pad_token_id=0,
+)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --- 1. corpus -----------------------------------------------------------------------
+
+
+def corpus_files(root: Path):
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(p in EXCLUDED_DIRS or p.startswith("config-") for p in rel.parts[:-1]):
+            continue
+        if rel.name.startswith("_sysconfigdata") or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        files.append(path)
+    return files
+
+
+def read_corpus():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in corpus_files(root)]
+    train = [t for i, t in enumerate(texts) if i % 50 != 49]
+    val = [t for i, t in enumerate(texts) if i % 50 == 49]
+    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()
+    info = dict(root=str(root), python=platform.python_version(), files=len(texts),
+                bytes=sum(len(t.encode()) for t in texts), sha256=digest, licence="PSF-2.0")
+    return train, val, info
+
+
+# --- 2. tokenizer --------------------------------------------------------------------
+
+
+def train_tokenizer(texts):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def wrap_tokenizer(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:], model_max_length=4096,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def encode_stream(tok, texts) -> np.ndarray:
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for encoding in tok.encode_batch(texts):
+        ids.extend(encoding.ids)
+        ids.append(eos)
+    return np.asarray(ids, dtype=np.int64)
+
+
+class Batches:
+    """Random windows of `length` + 1 tokens from a token stream, seeded."""
+
+    def __init__(self, stream: np.ndarray, seed: int):
+        self.stream = torch.from_numpy(stream)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, batch: int, length: int) -> torch.Tensor:
+        starts = torch.randint(0, len(self.stream) - length - 1, (batch,), generator=self.gen)
+        return torch.stack([self.stream[s : s + length + 1] for s in starts.tolist()])
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def eval_loss(model, stream: np.ndarray, length: int = 256, windows: int = 32) -> float:
+    model.eval()
+    starts = np.linspace(0, len(stream) - length - 2, windows).astype(int)
+    batch = torch.stack([torch.from_numpy(stream[s : s + length + 1]) for s in starts])
+    losses = []
+    for chunk in batch.split(8):
+        with autocast():
+            logits = model(input_ids=chunk[:, :-1]).logits.float()
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1)))
+    model.train()
+    return float(torch.stack(losses).mean())
+
+
+# --- 3. target -----------------------------------------------------------------------
+
+
+def train_target(train_ids, val_ids, args):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(args.seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**TARGET_CONFIG))
+    params = sum(p.numel() for p in model.parameters())
+    log(f"target: {params / 1e6:.2f}M parameters")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.target_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    batches = Batches(train_ids, args.seed + 1)
+    model.train()
+    start, history = time.time(), []
+    for step in range(args.target_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.target_steps, args.target_lr, args.warmup)
+        batch = batches(args.batch, args.seq_len)
+        with autocast():
+            logits = model(input_ids=batch[:, :-1]).logits.float()
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        history.append(loss.item())
+        if step % 25 == 0 or step == args.target_steps - 1:
+            rate = (step + 1) * args.batch * args.seq_len / (time.time() - start)
+            log(f"target step {step}/{args.target_steps} loss {np.mean(history[-25:]):.3f} ({rate:.0f} tok/s)")
+    seconds = time.time() - start
+    val = eval_loss(model, val_ids)
+    log(f"target done in {seconds / 60:.1f} min, train loss {np.mean(history[-50:]):.3f}, val loss {val:.3f}")
+    info = dict(parameters=params, steps=args.target_steps, batch=args.batch, seq_len=args.seq_len,
+                tokens_seen=args.target_steps * args.batch * args.seq_len, minutes=seconds / 60,
+                train_loss=float(np.mean(history[-50:])), val_loss=val, peak_lr=args.target_lr)
+    return model, info
+
+
+# --- 4. draft ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_continuations(target, train_ids, args) -> torch.Tensor:
+    """The target's greedy continuations of random corpus windows: (N, prompt + new)."""
+    target.eval()
+    batches = Batches(train_ids, args.seed + 3)
+    sequences = []
+    start = time.time()
+    for i in range(args.continuation_batches):
+        prompts = batches(args.gen_batch, args.gen_prompt - 1)
+        out = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                              max_new_tokens=args.gen_new, min_new_tokens=args.gen_new,
+                              do_sample=False, pad_token_id=0)
+        sequences.append(out)
+        if i % 4 == 0:
+            log(f"continuations {i + 1}/{args.continuation_batches} ({time.time() - start:.0f} s)")
+    return torch.cat(sequences)
+
+
+def distill_step(draft, target, opt, batch) -> float:
+    """KL(target || draft) on every position of `batch`."""
+    with torch.no_grad(), autocast():
+        teacher = target(input_ids=batch).logits.float()
+    with autocast():
+        student = draft(input_ids=batch).logits.float()
+    loss = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
+    loss = loss / batch.shape[1]  # batchmean divides by the batch only: per token
+    return optimizer_step(draft, opt, loss)
+
+
+def greedy_step(draft, opt, sequences, prompt_len: int) -> float:
+    """Cross-entropy on the target's greedy tokens: they are its argmax, so no target
+    forward is needed."""
+    with autocast():
+        logits = draft(input_ids=sequences[:, :-1]).logits.float()[:, prompt_len - 1 :]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), sequences[:, prompt_len:].reshape(-1))
+    return optimizer_step(draft, opt, loss)
+
+
+def optimizer_step(draft, opt, loss) -> float:
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+@torch.no_grad()
+def greedy_agreement(draft, target, sequences: torch.Tensor, prompt_len: int) -> float:
+    """Fraction of continuation positions where the draft's argmax is the target's."""
+    draft.eval()
+    hits = total = 0
+    for chunk in sequences.split(16):
+        with autocast():
+            d = draft(input_ids=chunk).logits.argmax(-1)[:, prompt_len - 1 : -1]
+            t = target(input_ids=chunk).logits.argmax(-1)[:, prompt_len - 1 : -1]
+        hits += int((d == t).sum())
+        total += d.numel()
+    draft.train()
+    return hits / total
+
+
+def train_draft(target, train_ids, args):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    for p in target.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(args.seed + 2)
+    draft = Qwen3ForCausalLM(Qwen3Config(**DRAFT_CONFIG))
+    params = sum(p.numel() for p in draft.parameters())
+    log(f"draft: {params / 1e6:.2f}M parameters")
+    start = time.time()
+    continuations = greedy_continuations(target, train_ids, args)
+    gen_minutes = (time.time() - start) / 60
+    held_out, continuations = continuations[: args.gen_batch], continuations[args.gen_batch :]
+    log(f"{len(continuations) * args.gen_new} continuation tokens in {gen_minutes:.1f} min")
+
+    total = args.draft_corpus_steps + args.draft_greedy_steps
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    batches = Batches(train_ids, args.seed + 4)
+    gen = torch.Generator().manual_seed(args.seed + 5)
+    draft.train()
+    history = []
+    for step in range(total):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, args.draft_lr, args.warmup)
+        if step < args.draft_corpus_steps:  # KL on corpus text
+            loss = distill_step(draft, target, opt, batches(args.batch, args.seq_len)[:, :-1])
+        else:  # the target's greedy continuations
+            rows = torch.randint(0, len(continuations), (2 * args.batch,), generator=gen)
+            loss = greedy_step(draft, opt, continuations[rows], args.gen_prompt)
+        history.append(loss)
+        if step % 25 == 0 or step == total - 1:
+            log(f"draft step {step}/{total} loss {np.mean(history[-25:]):.3f}")
+    seconds = time.time() - start
+    agreement = greedy_agreement(draft, target, held_out, args.gen_prompt)
+    log(f"draft done in {seconds / 60:.1f} min; greedy agreement on held-out continuations {agreement:.3f}")
+    info = dict(parameters=params, corpus_steps=args.draft_corpus_steps, greedy_steps=args.draft_greedy_steps,
+                continuation_tokens=len(continuations) * args.gen_new, minutes=seconds / 60,
+                corpus_kl=float(np.mean(history[args.draft_corpus_steps - 25 : args.draft_corpus_steps])),
+                greedy_ce=float(np.mean(history[-50:])), heldout_greedy_agreement=agreement)
+    return draft, info
+
+
+# --- saving --------------------------------------------------------------------------
+
+
+def save(model, tokenizer, directory: Path, extra_config=None) -> int:
+    model = model.to(torch.float16)
+    model.generation_config.eos_token_id = 0
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    # A tokenizer_config that transformers 4 reads as well as 5 (5 writes its own
+    # "TokenizersBackend" class and a separate chat_template.jinja).
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    (directory / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0],
+        additional_special_tokens=SPECIAL_TOKENS[1:], model_max_length=4096,
+        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
+    ), indent=2) + "\n")
+    if extra_config:
+        path = directory / "config.json"
+        config = json.loads(path.read_text())
+        config.update(extra_config)
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def load_target(directory: Path):
+    from transformers import Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "models")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stage", choices=["all", "draft"], default="all",
+                        help="'draft': keep the saved tokenizer and target, retrain the draft")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--target-steps", type=int, default=550)
+    parser.add_argument("--target-lr", type=float, default=2e-3)
+    parser.add_argument("--draft-lr", type=float, default=3e-3)
+    parser.add_argument("--draft-corpus-steps", type=int, default=150)
+    parser.add_argument("--draft-greedy-steps", type=int, default=900)
+    parser.add_argument("--continuation-batches", type=int, default=64)
+    parser.add_argument("--gen-batch", type=int, default=32)
+    parser.add_argument("--gen-prompt", type=int, default=32)
+    parser.add_argument("--gen-new", type=int, default=96)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target_dir, draft_dir = args.out / TARGET_NAME, args.out / DRAFT_NAME
+    log_path = args.out / "training_log.json"
+    started = time.time()
+
+    train_texts, val_texts, corpus = read_corpus()
+    log(f"corpus: {corpus['files']} files, {corpus['bytes'] / 1e6:.1f} MB from {corpus['root']}")
+    if args.stage == "all":
+        tok = train_tokenizer(train_texts)
+        summary = dict(corpus=corpus, versions=dict(python=sys.version.split()[0], torch=torch.__version__,
+                                                    transformers=__import__("transformers").__version__,
+                                                    tokenizers=__import__("tokenizers").__version__))
+    else:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+        summary = json.loads(log_path.read_text())
+        summary.pop("total_minutes", None)  # of the run that made the old draft
+    summary["args"] = {k: str(v) for k, v in vars(args).items()}
+    tokenizer = wrap_tokenizer(tok)
+    train_ids, val_ids = encode_stream(tok, train_texts), encode_stream(tok, val_texts)
+    log(f"tokens: {len(train_ids)} train, {len(val_ids)} validation ({corpus['bytes'] / (len(train_ids) + len(val_ids)):.2f} bytes/token)")
+    summary["tokens"] = dict(train=len(train_ids), validation=len(val_ids))
+
+    if args.stage == "all":
+        target, summary["target"] = train_target(train_ids, val_ids, args)
+        upstream_keys = dict(rope_theta=TARGET_CONFIG["rope_parameters"]["rope_theta"],
+                             partial_rotary_factor=TARGET_CONFIG["rope_parameters"]["partial_rotary_factor"],
+                             full_attention_interval=4)
+        summary["target"]["bytes"] = save(target, tokenizer, target_dir, upstream_keys)
+    # The draft learns from the target as shipped (float16 weights, computed in float32).
+    target = load_target(target_dir)
+    summary["target"]["val_loss_float16_weights"] = eval_loss(target, val_ids)
+    draft, summary["draft"] = train_draft(target, train_ids, args)
+    summary["draft"]["bytes"] = save(draft, tokenizer, draft_dir)
+    minutes = (time.time() - started) / 60
+    summary["total_minutes" if args.stage == "all" else "draft_stage_minutes"] = minutes
+    log_path.write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"done in {minutes:.1f} min: {target_dir} ({summary['target']['bytes'] / 1e6:.1f} MB), "
+        f"{draft_dir} ({summary['draft']['bytes'] / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
