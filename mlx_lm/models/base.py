@@ -2,7 +2,7 @@
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -14,6 +14,27 @@ class BaseModelArgs:
         """Build the args from a config dict, ignoring keys that are not fields."""
         fields = inspect.signature(cls).parameters
         return cls(**{k: v for k, v in params.items() if k in fields})
+
+
+def check_layer_types(layer_types: Sequence[str], num_hidden_layers: int, allowed: Sequence[str]) -> None:
+    """One known kind per layer, else a ValueError naming what is wrong."""
+    if len(layer_types) != num_hidden_layers:
+        raise ValueError(
+            f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
+            f"{num_hidden_layers}; give one kind per layer"
+        )
+    unknown = sorted(set(layer_types) - set(allowed))
+    if unknown:
+        raise ValueError(f"layer_types has unknown kinds {unknown}; expected one of {list(allowed)}")
+
+
+def check_head_grouping(num_attention_heads: int, num_key_value_heads: int) -> None:
+    """Grouped-query attention needs whole groups of query heads per KV head."""
+    if num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads ({num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({num_key_value_heads})"
+        )
 
 
 def create_causal_mask(

@@ -37,7 +37,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseModelArgs, create_attention_mask, scaled_dot_product_attention
+from .base import (
+    BaseModelArgs,
+    check_head_grouping,
+    check_layer_types,
+    create_attention_mask,
+    scaled_dot_product_attention,
+)
 from .cache import KVCache, RotatingKVCache
 from .rope_utils import initialize_rope, resolve_rope
 from .switch_layers import SwitchGLU, SwitchLinear
@@ -83,19 +89,8 @@ class ModelArgs(BaseModelArgs):
     def __post_init__(self):
         if self.layer_types is None:
             self.layer_types = [SLIDING if i % 2 == 0 else FULL for i in range(self.num_hidden_layers)]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}; give one type per layer"
-            )
-        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
-        if unknown:
-            raise ValueError(f"layer_types has unknown entries {unknown}; expected {SLIDING!r} or {FULL!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_layer_types(self.layer_types, self.num_hidden_layers, (SLIDING, FULL))
+        check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
         if self.rope_scaling is None and self.rope_parameters is None:
             self.rope_parameters = dict(DEFAULT_ROPE_PARAMETERS)
         theta, self.rope_scaling, partial_rotary_factor = resolve_rope(

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseModelArgs, create_attention_mask, scaled_dot_product_attention
+from .base import BaseModelArgs, check_head_grouping, create_attention_mask, scaled_dot_product_attention
 from .cache import KVCache
 from .rope_utils import initialize_rope, resolve_rope
 
@@ -42,11 +42,7 @@ class ModelArgs(BaseModelArgs):
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
         theta, self.rope_scaling, _ = resolve_rope(self.rope_theta, self.rope_scaling, self.rope_parameters)
         self.rope_theta = 10000.0 if theta is None else theta
 

@@ -29,7 +29,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseModelArgs, create_attention_mask, scaled_dot_product_attention
+from .base import (
+    BaseModelArgs,
+    check_head_grouping,
+    check_layer_types,
+    create_attention_mask,
+    scaled_dot_product_attention,
+)
 from .cache import ArraysCache, KVCache
 from .gated_delta import compute_g, gated_delta_replay, gated_delta_update
 from .llama import MLP
@@ -98,14 +104,7 @@ class ModelArgs(BaseModelArgs):
         self._validate()
 
     def _validate(self):
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}; give one kind per layer"
-            )
-        unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
-        if unknown:
-            raise ValueError(f"layer_types has unknown kinds {unknown}; expected {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, (LINEAR_ATTENTION, FULL_ATTENTION))
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; this family uses 'silu'")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -113,11 +112,7 @@ class ModelArgs(BaseModelArgs):
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.linear_num_key_heads})"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
         # K = 1 would leave no conv state, and would make the HF (C, 1, K) and MLX (C, K, 1)
         # conv layouts indistinguishable, which sanitize relies on.
         if self.linear_conv_kernel_dim < 2:
