@@ -55,8 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 from gdn_prefill import RESULTS, blas_env, find_openblas  # noqa: E402
+from hybrid_decode_vs_upstream import ensure_upstream  # noqa: E402
 
-VENV = Path(__file__).parent / ".venv-upstream"
 MODELS = ROOT / "examples" / "models"
 TARGET = MODELS / "qwen3-next-stdlib"
 DRAFT = MODELS / "qwen3-draft-stdlib"
@@ -325,15 +325,6 @@ def float32_plain(path: Path, target, prompts, tokens: int) -> dict:
 
 
 # --- the peer ------------------------------------------------------------------------
-
-
-def ensure_upstream() -> Path:
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        print(f"creating {VENV} with upstream mlx-lm from PyPI ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "mlx[cpu]", "mlx-lm"], check=True)
-    return python
 
 
 def run_worker(python: str, spec: dict) -> dict:
