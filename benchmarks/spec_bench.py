@@ -19,16 +19,19 @@ ratio of those paired times, and the median over repetitions counts.
    decoding's own time per token in the same repetition; k * t_draft is k chained
    draft steps evaluated once (as the loop drafts); t_verify(k+1) is one (k+1)-token
    target forward with rollback recording on (as in a speculative round); each step a
-   forward plus log-softmax and argmax, median of `--calls` calls. Efficiency =
-   measured speedup / bound: what rollbacks, catch-up feeds and bookkeeping leave of
-   the ideal. t_verify(k+1) / (one target forward, timed the same way) is what a CPU
-   makes expensive.
+   forward plus log-softmax and argmax, timed `--calls` times right after every
+   (plain, speculative) pair, median. Efficiency = measured speedup / bound, per
+   repetition (the machine is shared and its speed drifts, so a bound is only
+   comparable with runs timed next to it), median over repetitions: what rollbacks,
+   catch-up feeds and bookkeeping leave of the ideal. t_verify(k+1) / (one target
+   forward, timed the same way) is what a CPU makes expensive.
 3. Acceptance sweep at k=4: a synthetic draft that costs what the demo draft costs (it
    runs the demo draft's forward) but proposes the target's own greedy token with
    probability p, else a wrong one; speedup vs measured acceptance next to the bound.
 4. The peer: upstream mlx-lm from PyPI in its own venv (benchmarks/.venv-upstream, made
-   on first use) and this fork, each in a child process under the same BLAS, alternating,
-   best of `--peer-rounds`: plain decoding on both demo checkpoints, speculative decoding
+   on first use) and this fork, each in a child process under the same BLAS, alternating
+   `--peer-rounds` times (median of `--peer-reps` repetitions inside each child; the
+   ratio is the median of the per-round ratios): plain decoding on both demo checkpoints, speculative decoding
    on a dense pair (the demo draft as target, its first layer alone as draft), and what
    upstream does with the hybrid pair. Upstream 0.32 cannot load a dense qwen3_next
    checkpoint as transformers saves it (its sanitize returns early when it finds no
@@ -112,10 +115,12 @@ def worker(spec: dict) -> dict:
         step_fn = lambda p: speculative_generate_step(p, model, draft, num_draft_tokens=k, max_tokens=tokens)  # noqa: E731
     try:
         timed_generation(step_fn, spec["prompts"][:1], 8)  # warm-up
-        seconds, outputs, flags = timed_generation(step_fn, spec["prompts"], tokens)
+        runs = [timed_generation(step_fn, spec["prompts"], tokens) for _ in range(spec.get("reps", 1))]
     except Exception as e:
         return {**result, "error": f"{type(e).__name__}: {e}"}
     mx.clear_cache()
+    seconds = statistics.median(r[0] for r in runs)
+    _, outputs, flags = runs[0]
     return {**result, "tok_s": sum(map(len, outputs)) / seconds, "tokens": outputs,
             "acceptance": round_stats(flags, k, tokens)["rate"] if draft is not None else None}
 
@@ -213,11 +218,10 @@ def draft_seconds(draft, prompt_cache, k: int) -> float:
     return seconds
 
 
-def component_times(target, draft, context, ks, calls: int) -> dict:
-    """Medians over `calls` rounds, each timing every component once (round-robin, so a
-    burst of load on the shared machine spreads over all of them): plain_forward, one
-    target token; draft{k}, k draft steps; verify{k+1}, one (k+1)-token target forward
-    with rollback recording on."""
+def component_timers(target, draft, context) -> dict:
+    """name -> function timing that component once, on caches prefilled with `context`:
+    plain_forward, one target token; draft{k}, k chained draft steps; verify{k+1}, one
+    (k+1)-token target forward with rollback recording on."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -228,17 +232,22 @@ def component_times(target, draft, context, ks, calls: int) -> dict:
         return c
 
     plain_cache, target_cache, draft_cache = prefilled(target), prefilled(target), prefilled(draft)
-    components = {"plain_forward": lambda: forward_seconds(target, plain_cache, 1, record=False)}
-    for k in sorted(set(ks) | {SWEEP_K}):
-        components[f"draft{k}"] = lambda k=k: draft_seconds(draft, draft_cache, k)
-        components[f"verify{k + 1}"] = lambda k=k: forward_seconds(target, target_cache, k + 1, record=True)
-    samples = {name: [] for name in components}
-    for i in range(calls + 2):  # two warm-up rounds
-        for name, measure in components.items():
-            seconds = measure()
-            if i >= 2:
-                samples[name].append(seconds)
-    return {name: statistics.median(values) for name, values in samples.items()}
+
+    def timer(name: str):
+        if name == "plain_forward":
+            return lambda: forward_seconds(target, plain_cache, 1, record=False)
+        if name.startswith("draft"):
+            return lambda: draft_seconds(draft, draft_cache, int(name[5:]))
+        return lambda: forward_seconds(target, target_cache, int(name[6:]), record=True)
+
+    return timer
+
+
+def time_components(timer, names, calls: int, samples: dict) -> None:
+    """`calls` round-robin timings of each named component, appended to samples[name]."""
+    for _ in range(calls):
+        for name in names:
+            samples.setdefault(name, []).append(timer(name)())
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -251,9 +260,11 @@ def bound(a: float, k: int, t: dict) -> float:
 
 
 def measure_ours(target, draft, prompts, args) -> dict:
-    """Per repetition: component times, then for every configuration, prompt by prompt,
-    plain decoding and the speculative run back to back (so load on the shared machine
-    hits both alike). Medians over repetitions."""
+    """For every repetition, configuration and prompt: plain decoding, the speculative
+    run, then `--calls` timings of the components the bound needs, back to back, so a
+    burst of load on the shared machine hits the run and its bound alike. Each
+    repetition gives a speedup, a bound and their ratio (the efficiency); the report
+    shows medians over repetitions."""
     from mlx_lm.generate import generate_step, speculative_generate_step
 
     ks = list(range(1, args.max_k + 1))
@@ -263,15 +274,19 @@ def measure_ours(target, draft, prompts, args) -> dict:
     sequences = [p + r for p, r in zip(prompts, reference)]
     synthetic = {p: SyntheticDraft(draft, sequences, p, seed=1) for p in SWEEP_P}
     configs = [("k", k, draft) for k in ks] + [("p", p, synthetic[p]) for p in SWEEP_P]
-    rows = {(kind, value): {"runs": [], "identical": True} for kind, value, _ in configs}
-    components = []
+    rows = {(kind, value): {"reps": [], "identical": True} for kind, value, _ in configs}
+    timer = component_timers(target, draft, sequences[0][:64])
+    all_samples = {}
+    num_tokens = len(prompts) * args.tokens
+    for name in ["plain_forward", *(f"draft{k}" for k in ks), *(f"verify{k + 1}" for k in ks)]:
+        time_components(timer, [name], 2, {})  # warm-up
     for rep in range(args.reps):
-        components.append(component_times(target, draft, sequences[0][:64], ks, args.calls))
         print(f"rep {rep + 1}/{args.reps}", flush=True)
         for kind, value, draft_model in configs:
             k = value if kind == "k" else SWEEP_K
+            names = ["plain_forward", f"draft{k}", f"verify{k + 1}"]
             plain_seconds = spec_seconds = 0.0
-            outputs, flags = [], []
+            outputs, flags, samples = [], [], {}
             for i, prompt in enumerate(prompts):
                 seconds, out, _ = timed_generation(plain_fn, [prompt], args.tokens)
                 assert out[0] == reference[i], "plain greedy decoding is not deterministic"
@@ -284,25 +299,29 @@ def measure_ours(target, draft, prompts, args) -> dict:
                 spec_seconds += seconds
                 outputs += out
                 flags += fl
+                time_components(timer, names, args.calls, samples)
             row = rows[(kind, value)]
-            row["runs"].append((plain_seconds, spec_seconds))
             row["identical"] &= outputs == reference
             row.update(round_stats(flags, k, args.tokens), k=k)
-            print(f"  {kind}={value}: plain {len(prompts) * args.tokens / plain_seconds:.1f} tok/s, "
-                  f"speculative {len(prompts) * args.tokens / spec_seconds:.1f} tok/s "
-                  f"(x{plain_seconds / spec_seconds:.2f}), acceptance {row['rate']:.2f}, "
-                  f"identical {outputs == reference}", flush=True)
-    times = {name: statistics.median(c[name] for c in components) for name in components[0]}
-    num_tokens = len(prompts) * args.tokens
+            t = {name: statistics.median(v) for name, v in samples.items()}
+            t["plain"] = plain_seconds / num_tokens
+            speedup, limit = plain_seconds / spec_seconds, bound(row["per_token"], k, t)
+            row["reps"].append(dict(plain=plain_seconds, spec=spec_seconds, speedup=speedup, bound=limit))
+            for name, v in samples.items():
+                all_samples.setdefault(name, []).extend(v)
+            print(f"  {kind}={value}: plain {num_tokens / plain_seconds:.1f} tok/s, "
+                  f"speculative {num_tokens / spec_seconds:.1f} tok/s (x{speedup:.2f}, bound x{limit:.2f}), "
+                  f"acceptance {row['rate']:.2f}, identical {outputs == reference}", flush=True)
     for row in rows.values():
-        plain_seconds = statistics.median(p for p, _ in row["runs"])
-        row["speedup"] = statistics.median(p / s for p, s in row["runs"])
-        row["plain_tok_s"] = num_tokens / plain_seconds
-        row["spec_tok_s"] = num_tokens / statistics.median(s for _, s in row["runs"])
-        row["bound"] = bound(row["per_token"], row["k"], dict(times, plain=plain_seconds / num_tokens))
-        row["efficiency"] = row["speedup"] / row["bound"]
-    times["plain"] = statistics.median(
-        p / num_tokens for row in rows.values() for p, _ in row["runs"])
+        reps = row.pop("reps")
+        row["speedup"] = statistics.median(r["speedup"] for r in reps)
+        row["bound"] = statistics.median(r["bound"] for r in reps)
+        row["efficiency"] = statistics.median(r["speedup"] / r["bound"] for r in reps)
+        row["plain_tok_s"] = num_tokens / statistics.median(r["plain"] for r in reps)
+        row["spec_tok_s"] = num_tokens / statistics.median(r["spec"] for r in reps)
+        row["plain_seconds"] = [r["plain"] for r in reps]
+    times = {name: statistics.median(v) for name, v in all_samples.items()}
+    times["plain"] = statistics.median(p / num_tokens for row in rows.values() for p in row.pop("plain_seconds"))
     return {"rows": rows, "times": times, "sample": reference[0]}
 
 
@@ -348,6 +367,14 @@ def write_first_layer_copy(source: Path, directory: Path) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
+def summarize_runs(runs: list) -> dict:
+    """One side's rounds: the first error if any round failed, else the median tok/s."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    return dict(runs[0], tok_s=statistics.median(r["tok_s"] for r in runs))
+
+
 def measure_peer(prompts, args, scratch: Path) -> list:
     from mlx_lm.convert import convert
 
@@ -366,15 +393,17 @@ def measure_peer(prompts, args, scratch: Path) -> list:
     ]
     rows = []
     for name, spec in cases:
-        best = {}
-        for _ in range(args.peer_rounds):
-            for who, python in (("ours", sys.executable), ("upstream", upstream)):
-                result = run_worker(python, spec)
-                if result.get("tok_s", 0) > best.get(who, {}).get("tok_s", -1):
-                    best[who] = result
-        print(f"peer {name}: ours {best['ours'].get('tok_s', best['ours'].get('error'))}, "
-              f"upstream {best['upstream'].get('tok_s', best['upstream'].get('error'))}", flush=True)
-        rows.append((name, best["ours"], best["upstream"]))
+        results = {"ours": [], "upstream": []}
+        for i in range(args.peer_rounds):  # alternating, each side first in turn
+            sides = (("ours", sys.executable), ("upstream", upstream))
+            for who, python in sides if i % 2 == 0 else sides[::-1]:
+                results[who].append(run_worker(python, dict(spec, reps=args.peer_reps)))
+        mine, theirs = (summarize_runs(results[who]) for who in ("ours", "upstream"))
+        if "tok_s" in mine and "tok_s" in theirs:
+            mine["ratio"] = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(results["ours"], results["upstream"]))
+        print(f"peer {name}: ours {mine.get('tok_s', mine.get('error'))}, "
+              f"upstream {theirs.get('tok_s', theirs.get('error'))}, ratio {mine.get('ratio')}", flush=True)
+        rows.append((name, mine, theirs))
     return [("upstream loading the committed hybrid checkpoint", load_error), rows]
 
 
@@ -423,8 +452,8 @@ def goal_lines(ours, peer) -> list:
         f"range {min(efficiencies):.0%} to {max(efficiencies):.0%} over the k and p rows",
     ]
     if peer:
-        ratios = [f"{name.split(',')[1].strip()} **{mine['tok_s'] / theirs['tok_s']:.2f}**"
-                  for name, mine, theirs in peer[1] if name.startswith("plain") and "tok_s" in mine and "tok_s" in theirs]
+        ratios = [f"{name.split(',')[1].strip()} **{mine['ratio']:.2f}**"
+                  for name, mine, theirs in peer[1] if name.startswith("plain") and "ratio" in mine]
         lines.append("- plain decoding >= 0.95x upstream: " + ", ".join(ratios))
     f32 = ours.get("float32")
     if f32:
@@ -441,7 +470,8 @@ def write_report(ours, peer, header, tokenizer, args) -> str:
         "",
         *header,
         f"- greedy; {len(PROMPTS)} code prompts x {args.tokens} tokens; median of {args.reps} repetitions; "
-        f"component times: median of {args.calls} calls",
+        f"components timed {args.calls}x after every (plain, speculative) pair; speedup, bound and "
+        "efficiency are per-repetition values, then the median",
         "",
         *goal_lines(ours, peer),
         "",
@@ -484,8 +514,11 @@ def write_report(ours, peer, header, tokenizer, args) -> str:
     if peer:
         lines += [
             "",
-            "## This fork vs upstream mlx-lm (child processes, same BLAS, best of "
-            f"{args.peer_rounds} alternating rounds)",
+            "## This fork vs upstream mlx-lm (child processes, same BLAS)",
+            "",
+            f"{args.peer_rounds} alternating rounds of one child process per side, each timing "
+            f"{args.peer_reps} repetitions (median); tok/s: median over rounds; ours / upstream: "
+            "median of the per-round ratios.",
             "",
             f"- {load_name}: `{load_error or 'loads'}`",
             "",
@@ -499,7 +532,7 @@ def write_report(ours, peer, header, tokenizer, args) -> str:
                 continue
             acc = (f"{mine['acceptance']:.1%}, {theirs['acceptance']:.1%}" if mine.get("acceptance") is not None else "-")
             lines.append(f"| {name} | {mine['tok_s']:.1f} | {theirs['tok_s']:.1f} ({theirs['version']}) | "
-                         f"**{mine['tok_s'] / theirs['tok_s']:.2f}** | {acc} | {mine['tokens'] == theirs['tokens']} |")
+                         f"**{mine['ratio']:.2f}** | {acc} | {mine['tokens'] == theirs['tokens']} |")
     sample = tokenizer.decode(ours["sample"])
     lines += ["", f"Sample (plain greedy, prompt `{PROMPTS[0]}`):", "", "```python", PROMPTS[0] + sample, "```"]
     text = "\n".join(lines) + "\n"
@@ -553,9 +586,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=80, help="tokens generated per prompt")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=20, help="calls per component timing")
+    parser.add_argument("--calls", type=int, default=2,
+                        help="timings of each component after every (plain, speculative) pair")
     parser.add_argument("--max-k", type=int, default=8)
-    parser.add_argument("--peer-rounds", type=int, default=2)
+    parser.add_argument("--peer-rounds", type=int, default=4, help="alternating child-process rounds per side")
+    parser.add_argument("--peer-reps", type=int, default=3, help="timed repetitions in each child (median)")
     parser.add_argument("--no-peer", action="store_true", help="skip upstream mlx-lm")
     parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
     parser.add_argument("--target", type=Path, default=TARGET, help="target checkpoint (default: the demo's)")

@@ -301,12 +301,12 @@ def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
 
 
 def sync_cache(model: nn.Module, prompt_cache: List[Any], num_held: int, tokens: List[int]) -> None:
-    """Make a cache that holds tokens[:num_held] (or more) hold exactly `tokens`."""
+    """Make a cache that holds tokens[:num_held] (or more) hold exactly `tokens`. A feed
+    stays lazy: it is computed when the cache is next used, never if it is not."""
     if num_held > len(tokens):
         cache.trim_prompt_cache(prompt_cache, num_held - len(tokens))
     elif num_held < len(tokens):
         model(mx.array(tokens[num_held:])[None], cache=prompt_cache)
-        mx.eval([c.state for c in prompt_cache])
 
 
 def speculative_generate_step(
