@@ -6,7 +6,7 @@ dense draft distilled to agree with it, sharing one byte-level BPE tokenizer.
 A build tool, not part of the library: it uses torch (CPU), transformers
 (Qwen3NextForCausalLM, Qwen3ForCausalLM) and tokenizers, none of which mlx_lm needs at
 run time. Measured here with torch 2.13.0, transformers 5.24.0, tokenizers 0.23.3 on
-one core of a shared Xeon (bf16 autocast on AMX): about 33 minutes (22 target, 10 draft).
+one core of a shared Xeon (bf16 autocast on AMX): about 37 minutes (22 target, 14 draft).
 
 Stages (each seeded, so a rerun with the same versions gives the same files):
 1. Corpus: the `.py` sources of the running interpreter's standard library (Python
@@ -23,7 +23,9 @@ Stages (each seeded, so a rerun with the same versions gives the same files):
    mixture of experts), tied embeddings, trained from scratch on next-token prediction.
 4. Draft: qwen3, 2 layers, hidden 128, tied embeddings, distilled on the target: first
    KL(target || draft) on corpus text, then cross-entropy on the target's own greedy
-   continuations of corpus prompts (what a greedy speculative run asks it to guess).
+   continuations (what a greedy speculative run asks it to guess) of two kinds of
+   corpus prompts: random windows, and short windows that begin a line, as a user's
+   prompt does.
 Both are saved as transformers writes them (config.json, model.safetensors in float16,
 generation_config.json) plus tokenizer.json / tokenizer_config.json, so transformers,
 this library and upstream mlx-lm load the same files. The qwen3_next config also carries
@@ -44,6 +46,7 @@ import platform
 import sys
 import sysconfig
 import time
+from typing import Tuple
 from pathlib import Path
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers: one thread, deterministic merges
@@ -227,22 +230,48 @@ def train_target(train_ids, val_ids, args):
 # --- 4. draft ------------------------------------------------------------------------
 
 
+def line_starts(tok, stream: np.ndarray) -> np.ndarray:
+    """Positions of `stream` that begin a line: after a token ending in a newline, or
+    after an end-of-file token."""
+    ends_line = np.array([tok.decode([i]).endswith("\n") for i in range(tok.get_vocab_size())])
+    ends_line[tok.token_to_id("<|endoftext|>")] = True
+    return np.nonzero(ends_line[stream[:-1]])[0] + 1
+
+
 @torch.no_grad()
-def greedy_continuations(target, train_ids, args) -> torch.Tensor:
-    """The target's greedy continuations of random corpus windows: (N, prompt + new)."""
+def greedy_continuations(target, tok, train_ids, args) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The target's greedy continuations of corpus prompts: sequences (N, gen_prompt +
+    gen_new) and each one's prompt length (N,). Odd batches prompt with random windows of
+    gen_prompt tokens; even batches with short windows (4 to gen_prompt tokens) that
+    begin a line, as a user's prompt does, continued to the same total length."""
     target.eval()
     batches = Batches(train_ids, args.seed + 3)
-    sequences = []
+    starts = torch.from_numpy(line_starts(tok, train_ids))
+    gen = torch.Generator().manual_seed(args.seed + 6)
+    stream = torch.from_numpy(train_ids)
+    total = args.gen_prompt + args.gen_new
+    sequences, prompt_lens = [], []
     start = time.time()
     for i in range(args.continuation_batches):
-        prompts = batches(args.gen_batch, args.gen_prompt - 1)
+        if i % 2:
+            prompts = batches(args.gen_batch, args.gen_prompt - 1)
+        else:
+            length = int(torch.randint(4, args.gen_prompt + 1, (1,), generator=gen))
+            picks = starts[torch.randint(0, len(starts) - 1, (args.gen_batch,), generator=gen)]
+            prompts = torch.stack([stream[s : s + length] for s in picks.tolist()])
+        new = total - prompts.shape[1]
         out = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                              max_new_tokens=args.gen_new, min_new_tokens=args.gen_new,
-                              do_sample=False, pad_token_id=0)
+                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         sequences.append(out)
+        prompt_lens.append(torch.full((len(out),), prompts.shape[1]))
         if i % 4 == 0:
             log(f"continuations {i + 1}/{args.continuation_batches} ({time.time() - start:.0f} s)")
-    return torch.cat(sequences)
+    return torch.cat(sequences), torch.cat(prompt_lens)
+
+
+def continuation_mask(prompt_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """(N, length - 1) True where position t predicts a continuation token (t + 1 >= prompt)."""
+    return torch.arange(1, length)[None] >= prompt_lens[:, None]
 
 
 def distill_step(draft, target, opt, batch) -> float:
@@ -256,12 +285,13 @@ def distill_step(draft, target, opt, batch) -> float:
     return optimizer_step(draft, opt, loss)
 
 
-def greedy_step(draft, opt, sequences, prompt_len: int) -> float:
+def greedy_step(draft, opt, sequences, prompt_lens) -> float:
     """Cross-entropy on the target's greedy tokens: they are its argmax, so no target
     forward is needed."""
     with autocast():
-        logits = draft(input_ids=sequences[:, :-1]).logits.float()[:, prompt_len - 1 :]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), sequences[:, prompt_len:].reshape(-1))
+        logits = draft(input_ids=sequences[:, :-1]).logits.float()
+    mask = continuation_mask(prompt_lens, sequences.shape[1])
+    loss = F.cross_entropy(logits[mask], sequences[:, 1:][mask])
     return optimizer_step(draft, opt, loss)
 
 
@@ -274,21 +304,22 @@ def optimizer_step(draft, opt, loss) -> float:
 
 
 @torch.no_grad()
-def greedy_agreement(draft, target, sequences: torch.Tensor, prompt_len: int) -> float:
+def greedy_agreement(draft, target, sequences: torch.Tensor, prompt_lens: torch.Tensor) -> float:
     """Fraction of continuation positions where the draft's argmax is the target's."""
     draft.eval()
     hits = total = 0
-    for chunk in sequences.split(16):
+    for chunk, lens in zip(sequences.split(16), prompt_lens.split(16)):
         with autocast():
-            d = draft(input_ids=chunk).logits.argmax(-1)[:, prompt_len - 1 : -1]
-            t = target(input_ids=chunk).logits.argmax(-1)[:, prompt_len - 1 : -1]
-        hits += int((d == t).sum())
-        total += d.numel()
+            d = draft(input_ids=chunk).logits.argmax(-1)[:, :-1]
+            t = target(input_ids=chunk).logits.argmax(-1)[:, :-1]
+        mask = continuation_mask(lens, chunk.shape[1])
+        hits += int((d == t)[mask].sum())
+        total += int(mask.sum())
     draft.train()
     return hits / total
 
 
-def train_draft(target, train_ids, args):
+def train_draft(target, tok, train_ids, args):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     for p in target.parameters():
@@ -298,10 +329,15 @@ def train_draft(target, train_ids, args):
     params = sum(p.numel() for p in draft.parameters())
     log(f"draft: {params / 1e6:.2f}M parameters")
     start = time.time()
-    continuations = greedy_continuations(target, train_ids, args)
+    continuations, prompt_lens = greedy_continuations(target, tok, train_ids, args)
     gen_minutes = (time.time() - start) / 60
-    held_out, continuations = continuations[: args.gen_batch], continuations[args.gen_batch :]
-    log(f"{len(continuations) * args.gen_new} continuation tokens in {gen_minutes:.1f} min")
+    # Held out: one batch of each prompt kind.
+    held = torch.zeros(len(continuations), dtype=torch.bool)
+    held[: 2 * args.gen_batch] = True
+    held_out, held_out_lens = continuations[held], prompt_lens[held]
+    continuations, prompt_lens = continuations[~held], prompt_lens[~held]
+    num_new = int(continuation_mask(prompt_lens, continuations.shape[1]).sum())
+    log(f"{num_new} continuation tokens in {gen_minutes:.1f} min")
 
     total = args.draft_corpus_steps + args.draft_greedy_steps
     opt = torch.optim.AdamW(draft.parameters(), lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -316,15 +352,15 @@ def train_draft(target, train_ids, args):
             loss = distill_step(draft, target, opt, batches(args.batch, args.seq_len)[:, :-1])
         else:  # the target's greedy continuations
             rows = torch.randint(0, len(continuations), (2 * args.batch,), generator=gen)
-            loss = greedy_step(draft, opt, continuations[rows], args.gen_prompt)
+            loss = greedy_step(draft, opt, continuations[rows], prompt_lens[rows])
         history.append(loss)
         if step % 25 == 0 or step == total - 1:
             log(f"draft step {step}/{total} loss {np.mean(history[-25:]):.3f}")
     seconds = time.time() - start
-    agreement = greedy_agreement(draft, target, held_out, args.gen_prompt)
+    agreement = greedy_agreement(draft, target, held_out, held_out_lens)
     log(f"draft done in {seconds / 60:.1f} min; greedy agreement on held-out continuations {agreement:.3f}")
     info = dict(parameters=params, corpus_steps=args.draft_corpus_steps, greedy_steps=args.draft_greedy_steps,
-                continuation_tokens=len(continuations) * args.gen_new, minutes=seconds / 60,
+                continuation_tokens=num_new, minutes=seconds / 60,
                 corpus_kl=float(np.mean(history[args.draft_corpus_steps - 25 : args.draft_corpus_steps])),
                 greedy_ce=float(np.mean(history[-50:])), heldout_greedy_agreement=agreement)
     return draft, info
@@ -375,8 +411,8 @@ def main():
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=3e-3)
     parser.add_argument("--draft-corpus-steps", type=int, default=150)
-    parser.add_argument("--draft-greedy-steps", type=int, default=900)
-    parser.add_argument("--continuation-batches", type=int, default=64)
+    parser.add_argument("--draft-greedy-steps", type=int, default=1500)
+    parser.add_argument("--continuation-batches", type=int, default=96)
     parser.add_argument("--gen-batch", type=int, default=32)
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=96)
@@ -414,7 +450,7 @@ def main():
     # The draft learns from the target as shipped (float16 weights, computed in float32).
     target = load_target(target_dir)
     summary["target"]["val_loss_float16_weights"] = eval_loss(target, val_ids)
-    draft, summary["draft"] = train_draft(target, train_ids, args)
+    draft, summary["draft"] = train_draft(target, tok, train_ids, args)
     summary["draft"]["bytes"] = save(draft, tokenizer, draft_dir)
     minutes = (time.time() - started) / 60
     summary["total_minutes" if args.stage == "all" else "draft_stage_minutes"] = minutes
