@@ -6,7 +6,7 @@ dense draft distilled to agree with it, sharing one byte-level BPE tokenizer.
 A build tool, not part of the library: it uses torch (CPU), transformers
 (Qwen3NextForCausalLM, Qwen3ForCausalLM) and tokenizers, none of which mlx_lm needs at
 run time. Measured here with torch 2.13.0, transformers 5.24.0, tokenizers 0.23.3 on
-one core of a shared Xeon (bf16 autocast on AMX): about 37 minutes (22 target, 14 draft).
+one core of a shared Xeon (bf16 autocast on AMX): about 50 minutes (22 target, 27 draft).
 
 Stages (each seeded, so a rerun with the same versions gives the same files):
 1. Corpus: the `.py` sources of the running interpreter's standard library (Python
@@ -411,8 +411,8 @@ def main():
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=3e-3)
     parser.add_argument("--draft-corpus-steps", type=int, default=150)
-    parser.add_argument("--draft-greedy-steps", type=int, default=1500)
-    parser.add_argument("--continuation-batches", type=int, default=96)
+    parser.add_argument("--draft-greedy-steps", type=int, default=3000)
+    parser.add_argument("--continuation-batches", type=int, default=160)
     parser.add_argument("--gen-batch", type=int, default=32)
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=96)
