@@ -17,7 +17,7 @@ ratio of those paired times, and the median over repetitions counts.
 2. The bound: speedup <= E * t_plain / (k * t_draft + t_verify(k+1)), with
    E = (1 - a^(k+1)) / (1 - a) the expected tokens per round. t_plain is plain
    decoding's own time per token in the same repetition; k * t_draft is k chained
-   draft steps evaluated once (as the loop drafts); t_verify(k+1) is one (k+1)-token
+   draft steps, each evaluated asynchronously as it is built (as the loop drafts); t_verify(k+1) is one (k+1)-token
    target forward with rollback recording on (as in a speculative round); each step a
    forward plus log-softmax and argmax, timed `--calls` times right after every
    (plain, speculative) pair, median. Efficiency = measured speedup / bound, per
@@ -202,8 +202,8 @@ def forward_seconds(model, prompt_cache, num_tokens: int, record: bool) -> float
 
 
 def draft_seconds(draft, prompt_cache, k: int) -> float:
-    """Time of k chained single-token draft steps, evaluated once at the end as the
-    speculative loop does; trimmed away afterwards, untimed."""
+    """Time of k chained single-token draft steps, each evaluated asynchronously as it
+    is built, as the speculative loop drafts; trimmed away afterwards, untimed."""
     import mlx.core as mx
     from mlx_lm.models.cache import trim_prompt_cache
 
@@ -212,6 +212,7 @@ def draft_seconds(draft, prompt_cache, k: int) -> float:
     for _ in range(k):
         logits = draft(y[None], cache=prompt_cache)[:, -1, :]
         y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        mx.async_eval(y)
     mx.eval(y, [c.state for c in prompt_cache])
     seconds = time.perf_counter() - start
     trim_prompt_cache(prompt_cache, k)
