@@ -17,14 +17,14 @@ ratio of those paired times, and the median over repetitions counts.
 2. The bound: speedup <= E * t_plain / (k * t_draft + t_verify(k+1)), with
    E = (1 - a^(k+1)) / (1 - a) the expected tokens per round. t_plain is plain
    decoding's own time per token in the same repetition; k * t_draft is k chained
-   draft steps, each evaluated asynchronously as it is built (as the loop drafts); t_verify(k+1) is one (k+1)-token
-   target forward with rollback recording on (as in a speculative round); each step a
-   forward plus log-softmax and argmax, timed `--calls` times right after every
-   (plain, speculative) pair, median. Efficiency = measured speedup / bound, per
-   repetition (the machine is shared and its speed drifts, so a bound is only
-   comparable with runs timed next to it), median over repetitions: what rollbacks,
-   catch-up feeds and bookkeeping leave of the ideal. t_verify(k+1) / (one target
-   forward, timed the same way) is what a CPU makes expensive.
+   draft steps, each evaluated asynchronously as it is built (as the loop drafts);
+   t_verify(k+1) is one (k+1)-token target forward with rollback recording on (as in a
+   speculative round); each step a forward plus log-softmax and argmax, timed
+   `--calls` times right after every (plain, speculative) pair, median. Efficiency =
+   measured speedup / bound, per repetition (the machine is shared and its speed
+   drifts, so a bound is only comparable with runs timed next to it), median over
+   repetitions: what rollbacks, catch-up feeds and bookkeeping leave of the ideal.
+   t_verify(k+1) / t_plain is what a CPU makes expensive.
 3. Acceptance sweep at k=4: a synthetic draft that costs what the demo draft costs (it
    runs the demo draft's forward) but proposes the target's own greedy token with
    probability p, else a wrong one; speedup vs measured acceptance next to the bound.
