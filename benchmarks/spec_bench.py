@@ -313,6 +313,7 @@ def measure_ours(target, draft, prompts, args) -> dict:
             print(f"  {kind}={value}: plain {num_tokens / plain_seconds:.1f} tok/s, "
                   f"speculative {num_tokens / spec_seconds:.1f} tok/s (x{speedup:.2f}, bound x{limit:.2f}), "
                   f"acceptance {row['rate']:.2f}, identical {outputs == reference}", flush=True)
+    plain_per_token = []
     for row in rows.values():
         reps = row.pop("reps")
         row["speedup"] = statistics.median(r["speedup"] for r in reps)
@@ -320,9 +321,9 @@ def measure_ours(target, draft, prompts, args) -> dict:
         row["efficiency"] = statistics.median(r["speedup"] / r["bound"] for r in reps)
         row["plain_tok_s"] = num_tokens / statistics.median(r["plain"] for r in reps)
         row["spec_tok_s"] = num_tokens / statistics.median(r["spec"] for r in reps)
-        row["plain_seconds"] = [r["plain"] for r in reps]
+        plain_per_token += [r["plain"] / num_tokens for r in reps]
     times = {name: statistics.median(v) for name, v in all_samples.items()}
-    times["plain"] = statistics.median(p / num_tokens for row in rows.values() for p in row.pop("plain_seconds"))
+    times["plain"] = statistics.median(plain_per_token)
     return {"rows": rows, "times": times, "sample": reference[0]}
 
 
@@ -365,6 +366,8 @@ def write_first_layer_copy(source: Path, directory: Path) -> None:
     mx.save_safetensors(str(directory / "model.safetensors"), keep, metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["num_hidden_layers"] = 1
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:1]
     (directory / "config.json").write_text(json.dumps(config))
 
 
