@@ -8,12 +8,9 @@ hybrid (Gated DeltaNet) target with a dense draft. Plain (draft-free) serving ru
 in process, through the same worker.
 """
 
-import http.client
 import json
 import re
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +18,7 @@ import mlx.core as mx
 import openai
 import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
+from server_harness import start_server
 
 from mlx_lm.generate import generate
 from mlx_lm.sample_utils import make_logits_processors
@@ -49,60 +47,14 @@ def model_dirs(tmp_path_factory):
     }
 
 
-class Server:
-    def __init__(self, name, process, log_path, target_dir, draft_dir):
-        self.name, self.process, self.log_path = name, process, log_path
-        self.target_dir, self.draft_dir = target_dir, draft_dir
-        self.url = None
-
-    def wait_ready(self, timeout=120.0):
-        deadline = time.time() + timeout
-        while self.url is None:
-            match = re.search(r"on (http://[\d.]+:\d+)", self.log())
-            if match:
-                self.url = match.group(1)
-            elif self.process.poll() is not None or time.time() > deadline:
-                pytest.fail(f"server {self.name} did not start:\n{self.log()}")
-            else:
-                time.sleep(0.1)
-        return self
-
-    def log(self):
-        return self.log_path.read_text()
-
-    @property
-    def address(self):
-        host, port = self.url[len("http://"):].split(":")
-        return host, int(port)
-
-    @property
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def raw(self, method, path, body=None, headers=None):
-        """(status, decoded JSON body) of a request sent as is."""
-        connection = http.client.HTTPConnection(*self.address, timeout=60)
-        connection.request(method, path, body=body, headers=headers or {})
-        response = connection.getresponse()
-        data = response.read()
-        connection.close()
-        return response.status, json.loads(data) if data else None
-
-
 @pytest.fixture(scope="module")
 def servers(model_dirs, tmp_path_factory):
     """All servers, started at once (startup is mostly imports) and stopped at the end."""
     logs = tmp_path_factory.mktemp("server_logs")
     started = {}
     for name, (target, draft, flags) in SERVERS.items():
-        command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dirs[target]), "--port", "0",
-                   "--max-tokens", str(MAX_TOKENS), *flags]
-        if draft is not None:
-            command += ["--draft-model", str(model_dirs[draft])]
-        log_path = logs / f"{name}.log"
-        with open(log_path, "w") as log_file:
-            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file)
-        started[name] = Server(name, process, log_path, model_dirs[target], draft and model_dirs[draft])
+        started[name] = start_server(name, model_dirs[target], logs / f"{name}.log",
+                                     draft and model_dirs[draft], ["--max-tokens", str(MAX_TOKENS), *flags])
     yield started
     for server in started.values():
         server.process.terminate()
