@@ -715,6 +715,20 @@ def check_kv_quantization(prompt_cache: List[Any], group_size: int, bits: int, q
             )
 
 
+def maybe_quantize_kv_cache(
+    prompt_cache: List[Any], quantized_kv_start: int, kv_group_size: int, kv_bits: Optional[int]
+) -> None:
+    """With `kv_bits` set, replace in place every KVCache entry holding at least
+    `quantized_kv_start` tokens by its QuantizedKVCache. Recurrent (ArraysCache) and
+    already quantized entries stay; a RotatingKVCache cannot be quantized (ValueError)."""
+    if kv_bits is None:
+        return
+    for i, entry in enumerate(prompt_cache):
+        if isinstance(entry, (KVCache, RotatingKVCache)) and entry.offset >= quantized_kv_start:
+            prompt_cache[i] = entry.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+
 # ---------------------------------------------------------------------------
 # Prompt-cache files (upstream's layout, written and read by cache_files.py).
 
