@@ -30,7 +30,7 @@ def _check_mlx() -> None:
     except ImportError as e:
         if not (e.name or "").startswith("mlx"):  # MLX is there but something it needs is not
             raise
-        raise ModuleNotFoundError(_MISSING_MLX.format(error=e), name=e.name) from e
+        raise ModuleNotFoundError(_MISSING_MLX.format(error=e), name=e.name) from None
 
 
 class _DropTorchNotice(logging.Filter):
