@@ -24,6 +24,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -31,12 +32,21 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .generate import DEFAULT_MODEL, DEFAULT_QUANTIZED_KV_START, json_object, maybe_quantize_kv_cache, positive_int
+from .cli_args import (
+    DEFAULT_MODEL,
+    DEFAULT_QUANTIZED_KV_START,
+    HelpFormatter,
+    format_bytes,
+    json_object,
+    positive_int,
+    prompt_text,
+)
 from .models.cache import (
     can_trim_prompt_cache,
     check_kv_quantization,
     load_prompt_cache,
     make_prompt_cache,
+    maybe_quantize_kv_cache,
     save_prompt_cache,
     trim_prompt_cache,
 )
@@ -103,8 +113,10 @@ def tokens_after_cache(prompt_cache: List[Any], cached_tokens: List[int], full_t
 
 @dataclass
 class CachedPrompt:
-    """A loaded prompt cache and what it holds (`tokens` None: the file does not say)."""
+    """A loaded prompt cache, the file it came from and the tokens it holds (`tokens`
+    None: the file does not say)."""
 
+    path: str
     cache: List[Any]
     text: str
     tokens: Optional[List[int]]
@@ -112,10 +124,25 @@ class CachedPrompt:
     def resume(
         self, tokenizer: TokenizerWrapper, prompt: str, format_prompt: Callable[[str], List[int]]
     ) -> Tuple[List[Any], List[int]]:
-        """(cache, tokens to feed) for generating as from `format_prompt(text + prompt)`."""
+        """(cache, tokens to feed) for generating as from `format_prompt(text + prompt)`.
+        The cache may be trimmed back; `tokens` follows it."""
         if self.tokens is None:
             return self.cache, tokenizer.encode(prompt, add_special_tokens=False)
-        return self.cache, tokens_after_cache(self.cache, self.tokens, format_prompt(self.text + prompt))
+        full_tokens = format_prompt(self.text + prompt)
+        to_feed = tokens_after_cache(self.cache, self.tokens, full_tokens)
+        self.tokens = full_tokens[: len(full_tokens) - len(to_feed)]
+        return self.cache, to_feed
+
+    def cache_for(self, model: nn.Module, quantize_kv: Callable[[List[Any]], None]) -> List[Any]:
+        """A new cache of `model` (a draft model) holding the tokens this one holds."""
+        if self.tokens is None:
+            raise ValueError(
+                f"Prompt cache {self.path} does not record its tokens (a file from upstream mlx-lm), so a "
+                "draft model cannot be brought to it; remake it with mlx_lm.cache_prompt, or leave out --draft-model"
+            )
+        prompt_cache = make_prompt_cache(model)
+        fill_cache(model, self.tokens, prompt_cache, quantize_kv)
+        return prompt_cache
 
 
 def load_cached_prompt(path: str, model: nn.Module, model_name: str) -> CachedPrompt:
@@ -138,11 +165,14 @@ def load_cached_prompt(path: str, model: nn.Module, model_name: str) -> CachedPr
             tokens = None
         if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
             raise ValueError(f"Prompt cache {path} has malformed prompt_tokens metadata; expected a JSON list of ids")
-    return CachedPrompt(prompt_cache, metadata.get("prompt", ""), tokens)
+    return CachedPrompt(path, prompt_cache, metadata.get("prompt", ""), tokens)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Cache a prompt's KV state for later generation")
+    parser = argparse.ArgumentParser(
+        prog="mlx_lm.cache_prompt", description="Cache a prompt's KV state for later generation",
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Local model directory or Hugging Face repo id")
     parser.add_argument("--prompt", required=True, help="Prompt text to cache, or '-' for stdin")
     parser.add_argument("--prompt-cache-file", required=True, help="Output file (.safetensors)")
@@ -152,8 +182,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template-config", type=json_object, default=None,
                         help="JSON object of extra chat template arguments")
     parser.add_argument("--max-kv-size", type=positive_int, default=None,
-                        help="Bound every KV cache to this many tokens (keeps the first 4)")
-    parser.add_argument("--kv-bits", type=int, default=None, help="Quantize the KV cache to this many bits")
+                        help="Bound every KV cache to this many tokens, keeping the first 4 (default: unbounded)")
+    parser.add_argument("--kv-bits", type=int, default=None,
+                        help="Quantize the KV cache to this many bits (default: not quantized)")
     parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
     parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
                         help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
@@ -166,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         from .utils import load
 
         model, tokenizer, config = load(args.model, return_config=True)
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+        prompt = prompt_text(args.prompt)
         tokens = format_cached_prompt(
             tokenizer, prompt, args.system_prompt, not args.ignore_chat_template, args.chat_template_config or {}
         )
@@ -187,10 +218,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             "prompt_tokens": json.dumps(tokens),
         }
         save_prompt_cache(args.prompt_cache_file, prompt_cache, metadata)
+        saved_file = Path(args.prompt_cache_file)
+        if saved_file.suffix != ".safetensors":  # MLX appends the suffix
+            saved_file = saved_file.with_name(saved_file.name + ".safetensors")
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")
-    size = sum(c.nbytes for c in prompt_cache) / 2**20
-    print(f"Cached {len(tokens)} prompt tokens ({size:.2f} MB) in {args.prompt_cache_file}")
+    print(f"Cached {len(tokens)} prompt tokens in {saved_file} ({format_bytes(saved_file.stat().st_size)})")
 
 
 if __name__ == "__main__":

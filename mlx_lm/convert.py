@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Union
 import mlx.core as mx
 
 from . import tokenizer_utils
+from .cli_args import HelpFormatter, format_bytes
 from .utils import (
     QUANT_MODES,
     QuantPredicate,
@@ -118,22 +119,31 @@ def convert(
 
 
 def print_progress(stage: str, done: int, total: int) -> None:
-    """One updating line on stderr: the stage, and for saving the bytes written."""
+    """Progress on stderr: each stage once; while saving, a line updated in place on a
+    terminal, else (a pipe, a log file) one line when the weights are written."""
     if stage != "Saving":
         print(f"[INFO] {stage}", file=sys.stderr, flush=True)
-        return
-    end = "\n" if done == total else ""
-    print(f"\r[INFO] Saving {done / 2**30:.2f} / {total / 2**30:.2f} GB ({100 * done // max(total, 1)}%)",
-          end=end, file=sys.stderr, flush=True)
+    elif sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print(f"\r[INFO] Saving {format_bytes(done)} of {format_bytes(total)} ({100 * done // max(total, 1)}%)",
+              end=end, file=sys.stderr, flush=True)
+    elif done == total:
+        print(f"[INFO] Saved {format_bytes(total)} of weights", file=sys.stderr, flush=True)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Convert a Hugging Face model to MLX, optionally quantized")
+    parser = argparse.ArgumentParser(
+        prog="mlx_lm.convert", description="Convert a Hugging Face model to MLX, optionally quantized",
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("--hf-path", "--model", required=True, help="Local model directory or Hugging Face repo id")
     parser.add_argument("--mlx-path", default="mlx_model", help="Output directory (must not exist)")
     parser.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights")
-    parser.add_argument("--q-group-size", type=int, default=None, help="Quantization group size (mode default)")
-    parser.add_argument("--q-bits", type=int, default=None, help="Bits per weight (mode default)")
+    group_sizes = ", ".join(f"{mode} {sizes[0]}" for mode, (sizes, _) in QUANT_MODES.items())
+    bit_widths = ", ".join(f"{mode} {bits[0]}" for mode, (_, bits) in QUANT_MODES.items())
+    parser.add_argument("--q-group-size", type=int, default=None,
+                        help=f"Quantization group size (default by --q-mode: {group_sizes})")
+    parser.add_argument("--q-bits", type=int, default=None, help=f"Bits per weight (default by --q-mode: {bit_widths})")
     parser.add_argument("--q-mode", choices=list(QUANT_MODES), default="affine", help="Quantization mode")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="Cast float weights to this type (default: keep the checkpoint's)")

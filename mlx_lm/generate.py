@@ -3,7 +3,6 @@
 import argparse
 import contextlib
 import functools
-import json
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -12,7 +11,17 @@ from typing import Any, Callable, Generator, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cli_args import (
+    DEFAULT_MODEL,
+    DEFAULT_QUANTIZED_KV_START,
+    HelpFormatter,
+    json_object,
+    positive_int,
+    prompt_text,
+    str2bool,
+)
 from .models import cache
+from .models.cache import maybe_quantize_kv_cache
 from .sample_utils import make_sampler
 from .tokenizer_utils import TokenizerWrapper
 
@@ -26,8 +35,6 @@ DEFAULT_XTC_PROBABILITY = 0.0
 DEFAULT_XTC_THRESHOLD = 0.1
 DEFAULT_MIN_TOKENS_TO_KEEP = 1
 DEFAULT_SEED = None
-DEFAULT_MODEL = "mlx-community/Llama-3.2-3B-Instruct-4bit"
-DEFAULT_QUANTIZED_KV_START = 5000
 
 
 @contextlib.contextmanager
@@ -140,19 +147,6 @@ def sample_next(
         logits = processor(history, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return sampler(logprobs), logprobs.squeeze(0)
-
-
-def maybe_quantize_kv_cache(
-    prompt_cache: List[Any], quantized_kv_start: int, kv_group_size: int, kv_bits: Optional[int]
-) -> None:
-    """With `kv_bits` set, replace in place every KVCache entry holding at least
-    `quantized_kv_start` tokens by its QuantizedKVCache. Recurrent (ArraysCache) and
-    already quantized entries stay; a RotatingKVCache cannot be quantized (ValueError)."""
-    if kv_bits is None:
-        return
-    for i, entry in enumerate(prompt_cache):
-        if isinstance(entry, (cache.KVCache, cache.RotatingKVCache)) and entry.offset >= quantized_kv_start:
-            prompt_cache[i] = entry.to_quantized(group_size=kv_group_size, bits=kv_bits)
 
 
 def kv_quantizer(
@@ -526,11 +520,11 @@ def generate(
 ) -> str:
     """Generate and return the whole completion; `verbose` prints it as it streams,
     then the prompt and generation speeds and peak memory."""
-    if verbose:
-        print("=" * 10)
     text = ""
     for response in stream_generate(model, tokenizer, prompt, **kwargs):
         if verbose:
+            if response.generation_tokens == 1:  # not before: an invalid call prints nothing
+                print("=" * 10)
             print(response.text, end="", flush=True)
         text += response.text
     if verbose:
@@ -551,34 +545,10 @@ def generate(
     return text
 
 
-def str2bool(value: str) -> bool:
-    lowered = value.lower()
-    if lowered in ("true", "t", "yes", "y", "1"):
-        return True
-    if lowered in ("false", "f", "no", "n", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-
-
-def json_object(value: str) -> dict:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
-    return parsed
-
-
-def positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return number
-
-
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Generate text with an LLM")
+    parser = argparse.ArgumentParser(
+        prog="mlx_lm.generate", description="Generate text with an LLM", formatter_class=HelpFormatter
+    )
     parser.add_argument("--model", type=str, default=DEFAULT_MODEL,
                         help="Local model directory or Hugging Face repo id")
     parser.add_argument("--extra-eos-token", type=str, nargs="+", default=(),
@@ -597,7 +567,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Probability threshold of XTC sampling")
     parser.add_argument("--min-tokens-to-keep", type=int, default=DEFAULT_MIN_TOKENS_TO_KEEP,
                         help="Minimum tokens min-p keeps")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="PRNG seed")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="PRNG seed (default: unseeded)")
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="Feed the prompt as is, without the chat template")
     parser.add_argument("--chat-template-config", type=json_object, default=None,
@@ -605,15 +575,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", type=str2bool, default=True,
                         help="Print the text as it streams plus speed and memory (true/false)")
     parser.add_argument("--max-kv-size", type=positive_int, default=None,
-                        help="Bound every KV cache to this many tokens (keeps the first 4)")
+                        help="Bound every KV cache to this many tokens, keeping the first 4 (default: unbounded)")
     parser.add_argument("--prompt-cache-file", default=None,
-                        help="Continue from a prompt cache made by mlx_lm.cache_prompt for this model")
-    parser.add_argument("--kv-bits", type=int, default=None, help="Quantize the KV cache to this many bits")
+                        help="Continue from a prompt cache made by mlx_lm.cache_prompt for this --model "
+                        "(also with --draft-model)")
+    parser.add_argument("--kv-bits", type=int, default=None,
+                        help="Quantize the KV cache to this many bits (default: not quantized)")
     parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
     parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
                         help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
     parser.add_argument("--draft-model", type=str, default=None,
-                        help="A smaller model sharing the tokenizer, for speculative decoding")
+                        help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
                         help="Tokens the draft model proposes per target forward")
     return parser
@@ -634,9 +606,11 @@ def build_prompt(tokenizer: TokenizerWrapper, prompt: str, system_prompt: Option
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    if args.prompt_cache_file is not None and args.draft_model is not None:
-        # A saved prompt cache holds the target's entries only.
-        parser.error("--prompt-cache-file cannot be combined with --draft-model")
+    if args.max_tokens != -1 and args.max_tokens < 1:
+        parser.error(f"--max-tokens must be positive, or -1 for no limit; got {args.max_tokens}")
+    if args.prompt_cache_file is not None and args.max_kv_size is not None:
+        parser.error("--max-kv-size cannot be combined with --prompt-cache-file: the cache file's size "
+                     "was fixed when it was made (mlx_lm.cache_prompt --max-kv-size)")
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
@@ -649,9 +623,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 def run(args: argparse.Namespace) -> str:
     """Load the model (and draft) and generate as the parsed command line says."""
+    from .cache_prompt import load_cached_prompt
     from .utils import load
 
     model, tokenizer = load(args.model)
+    draft_model = None if args.draft_model is None else load(args.draft_model)[0]
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(int(token) if token.isdigit() else token)
     sampler = make_sampler(
@@ -659,26 +635,35 @@ def run(args: argparse.Namespace) -> str:
         xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
         xtc_special_tokens=list(tokenizer.eos_token_ids),
     )
-    kwargs = dict(max_tokens=args.max_tokens, sampler=sampler, max_kv_size=args.max_kv_size)
-    if args.draft_model is not None:
-        kwargs.update(draft_model=load(args.draft_model)[0], num_draft_tokens=args.num_draft_tokens)
+    kwargs = dict(max_tokens=args.max_tokens, sampler=sampler)
+    if draft_model is not None:
+        kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens)
     if args.kv_bits is not None:
         kwargs.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                       quantized_kv_start=args.quantized_kv_start)
-
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
 
     def format_prompt(text: str) -> List[int]:
         return build_prompt(tokenizer, text, args.system_prompt, not args.ignore_chat_template,
                             args.chat_template_config or {})
 
+    prompt = prompt_text(args.prompt)
     if args.prompt_cache_file is None:
+        kwargs["max_kv_size"] = args.max_kv_size
         prompt_tokens = format_prompt(prompt)
     else:
-        from .cache_prompt import load_cached_prompt
-
         cached = load_cached_prompt(args.prompt_cache_file, model, args.model)
         kwargs["prompt_cache"], prompt_tokens = cached.resume(tokenizer, prompt, format_prompt)
+    if not prompt_tokens:
+        raise ValueError(
+            f"The prompt is empty (--prompt {args.prompt!r} gives no tokens); give the text with "
+            "--prompt, or --prompt - to read it from stdin"
+        )
+    if args.prompt_cache_file is not None and draft_model is not None:
+        # Speculation's cache is the target's entries followed by the draft's; the file
+        # holds the target's, the draft is brought to the same tokens here.
+        target_cache = kwargs["prompt_cache"]
+        quantize_kv = kv_quantizer(target_cache, args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+        kwargs["prompt_cache"] = target_cache + cached.cache_for(draft_model, quantize_kv)
     return generate(model, tokenizer, prompt_tokens, verbose=args.verbose, **kwargs)
 
 

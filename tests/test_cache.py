@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm.models.base import causal_mask_for_positions, create_causal_mask
+from mlx_lm.models.base import causal_mask_for_positions, create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -184,6 +184,24 @@ def test_cache_list_forwards_to_children():
     assert isinstance(clone[1], RotatingKVCache) and clone[1].offset == 1
     combined = CacheList(KVCache(), ArraysCache(1))
     assert not combined.is_trimmable()
+
+
+def test_cache_list_masks_like_its_masking_children():
+    kv_cache, state = KVCache(), ArraysCache(1)
+    kv_cache.update_and_fetch(*kv(6, 0))
+    combined = CacheList(state, kv_cache)
+    h = mx.zeros((1, 3, 8))
+    for num in (1, 3):
+        for window in (None, 4):
+            want = kv_cache.make_mask(num, window_size=window)
+            got = create_attention_mask(h[:, :num], combined, window_size=window)
+            assert (got is None and want is None) or mx.array_equal(got, want)
+    assert mx.array_equal(combined.make_mask(3), create_causal_mask(3, offset=6))
+    assert CacheList(ArraysCache(1), ArraysCache(2)).make_mask(3) is None
+    behind = KVCache()
+    behind.update_and_fetch(*kv(4, 1))
+    with pytest.raises(ValueError, match=r"\(3, 9\) from KVCache, \(3, 7\) from KVCache"):
+        CacheList(kv_cache, behind).make_mask(3)
 
 
 class _TwoLayerModel:

@@ -2,6 +2,8 @@
 mlx_lm.generate --prompt-cache-file."""
 
 import functools
+import os
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -11,6 +13,7 @@ from mlx.utils import tree_flatten
 
 from mlx_lm.cache_prompt import fill_cache, load_cached_prompt, tokens_after_cache
 from mlx_lm.cache_prompt import main as cache_prompt_main
+from mlx_lm.cli_args import format_bytes
 from mlx_lm.generate import build_prompt, generate_step, maybe_quantize_kv_cache
 from mlx_lm.generate import main as generate_main
 from mlx_lm.models.cache import (
@@ -207,7 +210,8 @@ def test_cache_prompt_then_generate_equals_generating_from_the_whole_prompt(tmp_
     head, tail = "The tokenizer splits text", " into pieces; the detokenizer"
     cache_prompt_main(["--model", str(tiny_model_dir), "--prompt", head, "--prompt-cache-file", cache_file,
                        *template_flags])
-    assert "Cached" in capsys.readouterr().out
+    file_size = format_bytes(os.path.getsize(cache_file))
+    assert capsys.readouterr().out.endswith(f" prompt tokens in {cache_file} ({file_size})\n")
 
     common = ["--model", str(tiny_model_dir), "--max-tokens", "8", "--verbose", "false", *template_flags]
     generate_main([*common, "--prompt-cache-file", cache_file, "--prompt", tail])
@@ -228,6 +232,36 @@ def test_cache_prompt_then_generate_equals_generating_from_the_whole_prompt(tmp_
     assert prompt_cache[0].offset + len(to_feed) == len(whole) and len(to_feed) < len(whole) - 5
     resumed_tokens = [t for t, _ in run(model, to_feed, prompt_cache=prompt_cache)]
     assert resumed_tokens == [t for t, _ in run(model, whole)]
+
+
+def test_a_cache_file_with_a_draft_model_generates_what_the_whole_prompt_does(tmp_path, tiny_model_dir,
+                                                                               tiny_llama_dir, capsys):
+    """The file holds the target's cache; the draft (another model: it disagrees, so
+    rollbacks happen) is brought to the cached tokens, and generation goes on as without."""
+    cache_file = str(tmp_path / "doc")  # MLX adds .safetensors
+    head, tail = "The tokenizer splits text", " into pieces; the detokenizer"
+    cache_prompt_main(["--model", str(tiny_model_dir), "--prompt", head, "--prompt-cache-file", cache_file])
+    saved = cache_file + ".safetensors"
+    assert capsys.readouterr().out.endswith(f"in {saved} ({format_bytes(os.path.getsize(saved))})\n")
+    common = ["--model", str(tiny_model_dir), "--max-tokens", "12"]
+    draft = ["--draft-model", str(tiny_llama_dir)]
+    outputs = []
+    for extra in (["--prompt", head + tail], [*draft, "--prompt", head + tail],
+                  [*draft, "--prompt", tail, "--prompt-cache-file", saved]):
+        generate_main([*common, *extra])
+        outputs.append(capsys.readouterr().out)
+    texts = [out.split("==========")[1] for out in outputs]
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) > 5
+    num_prompt = [int(re.search(r"Prompt: (\d+) tokens", out).group(1)) for out in outputs]
+    assert num_prompt[2] < num_prompt[1] - 5  # the cached part was not fed again
+    accepted, drafted = map(int, re.search(r"Speculation: (\d+)/(\d+) draft tokens", outputs[2]).groups())
+    assert accepted < drafted  # the draft disagreed at times, so caches were rolled back
+
+    # Upstream's files do not record their tokens, so the draft cannot catch up.
+    model, _ = load_model(tiny_model_dir)
+    save_prompt_cache(str(tmp_path / "up.safetensors"), make_prompt_cache(model), {"model": str(tiny_model_dir)})
+    with pytest.raises(SystemExit, match="does not record its tokens .* leave out --draft-model"):
+        generate_main([*common, *draft, "--prompt", tail, "--prompt-cache-file", str(tmp_path / "up.safetensors")])
 
 
 def test_generate_refuses_a_cache_from_another_model(tmp_path, tiny_model_dir, tiny_llama_dir):

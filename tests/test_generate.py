@@ -162,6 +162,7 @@ def test_cli_generates_and_reports_speed(tiny_model_dir):
                      "--max-tokens", "5", "--system-prompt", "be brief")
     assert result.returncode == 0, result.stderr
     assert "Generation: " in result.stdout and "tokens-per-sec" in result.stdout
+    assert "PyTorch was not found" not in result.stderr and "RuntimeWarning" not in result.stderr
     quiet = run_cli("mlx_lm", "generate", "--model", str(tiny_model_dir), "--prompt", "-",
                     "--max-tokens", "4", "--verbose", "false", "--ignore-chat-template",
                     "--temp", "0.8", "--seed", "3", stdin="import os\n")
@@ -188,6 +189,3 @@ def test_cli_speculative_prints_acceptance(tiny_model_dir):
     assert result.returncode == 0, result.stderr
     assert "Speculation:" in result.stdout and "accepted (100.0%)" in result.stdout
     assert "tokens per target forward" in result.stdout
-    both = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir),
-                   "--prompt-cache-file", "x.safetensors")
-    assert both.returncode == 2 and "--prompt-cache-file cannot be combined" in both.stderr

@@ -6,6 +6,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .cache import QuantizedKVCache
+from .masks import causal_mask_for_positions, create_causal_mask  # noqa: F401  (upstream exports them here)
+
 
 @dataclass
 class BaseModelArgs:
@@ -35,40 +38,6 @@ def check_head_grouping(num_attention_heads: int, num_key_value_heads: int) -> N
             f"num_attention_heads ({num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({num_key_value_heads})"
         )
-
-
-def create_causal_mask(
-    num_queries: int,
-    offset: int = 0,
-    window_size: Optional[int] = None,
-) -> mx.array:
-    """Boolean mask (num_queries, offset + num_queries), True where attention is allowed.
-
-    Query i sits at position offset + i and sees key j iff j <= offset + i and, with a
-    window, offset + i - j < window_size.
-    """
-    query_pos = mx.arange(offset, offset + num_queries)[:, None]
-    key_pos = mx.arange(offset + num_queries)[None]
-    return causal_mask_for_positions(query_pos, key_pos, window_size)
-
-
-def causal_mask_for_positions(
-    query_pos: mx.array,
-    key_pos: mx.array,
-    window_size: Optional[int] = None,
-    keep: int = 0,
-) -> mx.array:
-    """Mask from explicit positions: query_pos (N, 1), key_pos (1, S) -> (N, S) bool.
-
-    The first `keep` positions stay visible whatever the window (attention sinks).
-    """
-    mask = key_pos <= query_pos
-    if window_size is not None:
-        in_window = (query_pos - key_pos) < window_size
-        if keep > 0:
-            in_window = in_window | (key_pos < keep)
-        mask = mask & in_window
-    return mask
 
 
 def create_attention_mask(
@@ -101,8 +70,6 @@ def scaled_dot_product_attention(
     (gpt-oss). With a QuantizedKVCache, keys and values are its (packed, scales,
     biases) triples and attention runs on them with quantized matmuls.
     """
-    from .cache import QuantizedKVCache  # cache.py imports this module
-
     if isinstance(cache, QuantizedKVCache):
         return quantized_scaled_dot_product_attention(
             queries, keys, values, scale, mask, cache.group_size, cache.bits, sinks=sinks

@@ -15,7 +15,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .base import causal_mask_for_positions, create_causal_mask
+from .cache_files import read_cache_file, write_cache_file
+from .masks import causal_mask_for_positions, create_causal_mask
 
 
 def _grow(buffer: Optional[mx.array], used: int, needed: int, like: mx.array, step: int, limit=None):
@@ -499,6 +500,23 @@ class CacheList(_BaseCache):
     def __getitem__(self, index: int) -> _BaseCache:
         return self.caches[index]
 
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+        """The mask of the children that need one (a recurrent child needs none). The
+        children serve one layer and so hold the same tokens: children that mask must
+        give the same shape, else the layer should ask the child its attention uses."""
+        masks = [(type(c).__name__, c.make_mask(num_queries, window_size=window_size)) for c in self.caches]
+        masks = [(name, mask) for name, mask in masks if mask is not None]
+        if not masks:
+            return None
+        shapes = {tuple(mask.shape) for _, mask in masks}
+        if len(shapes) > 1:
+            found = ", ".join(f"{tuple(mask.shape)} from {name}" for name, mask in masks)
+            raise ValueError(
+                f"The children of this CacheList need different masks ({found}); call make_mask "
+                "on the child the attention reads (cache_list[i].make_mask)"
+            )
+        return masks[0][1]
+
     def size(self) -> int:
         return max((c.size() for c in self.caches), default=0)
 
@@ -697,5 +715,69 @@ def check_kv_quantization(prompt_cache: List[Any], group_size: int, bits: int, q
             )
 
 
-# Upstream exports the prompt-cache file functions from this module.
-from .cache_files import load_prompt_cache, save_prompt_cache  # noqa: E402, F401
+def maybe_quantize_kv_cache(
+    prompt_cache: List[Any], quantized_kv_start: int, kv_group_size: int, kv_bits: Optional[int]
+) -> None:
+    """With `kv_bits` set, replace in place every KVCache entry holding at least
+    `quantized_kv_start` tokens by its QuantizedKVCache. Recurrent (ArraysCache) and
+    already quantized entries stay; a RotatingKVCache cannot be quantized (ValueError)."""
+    if kv_bits is None:
+        return
+    for i, entry in enumerate(prompt_cache):
+        if isinstance(entry, (KVCache, RotatingKVCache)) and entry.offset >= quantized_kv_start:
+            prompt_cache[i] = entry.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+
+# ---------------------------------------------------------------------------
+# Prompt-cache files (upstream's layout, written and read by cache_files.py).
+
+# An empty array stands for None in a file (an ArraysCache slot not yet filled).
+_EMPTY = mx.array([], dtype=mx.float32)
+
+
+def _file_state(entry: _BaseCache):
+    """What a file stores for `entry`: its state, an ArraysCache as upstream does since
+    #1632 ([arrays], left_padding, lengths)."""
+    if isinstance(entry, CacheList):
+        return [_file_state(c) for c in entry.caches]
+    if isinstance(entry, ArraysCache):
+        return [[_EMPTY if a is None else a for a in entry.state], _EMPTY, _EMPTY]
+    return entry.state
+
+
+def _from_file(class_name: str, state, meta_state) -> _BaseCache:
+    """Rebuild an entry; the class comes from CACHE_CLASSES only, so loading runs no code."""
+    if class_name not in CACHE_CLASSES:
+        raise ValueError(f"unknown cache class {class_name!r}; known classes: {', '.join(sorted(CACHE_CLASSES))}")
+    cls = CACHE_CLASSES[class_name]
+    if not isinstance(state, list):
+        raise ValueError(f"a {class_name} state must be a list of arrays, got one array")
+    if cls is CacheList:
+        class_names, metas = meta_state
+        if not len(class_names) == len(metas) == len(state):
+            raise ValueError(f"CacheList of {len(class_names)} classes, {len(metas)} metas, {len(state)} states")
+        return CacheList(*(_from_file(n, s, m) for n, s, m in zip(class_names, state, metas)))
+    if cls is ArraysCache:
+        if state and isinstance(state[0], list):  # ([arrays], left_padding, lengths)
+            if any(extra.size for extra in state[1:]):
+                raise ValueError("batched ArraysCache entries (left padding, lengths) are not supported")
+            state = state[0]
+        state = [None if a.size == 0 else a for a in state]
+    return cls.from_state(state, meta_state)
+
+
+def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[dict] = None) -> None:
+    """Save a prompt cache and string `metadata` to one safetensors file (upstream's
+    layout; MLX appends ".safetensors" to a name without it)."""
+    entries = [(type(c).__name__, _file_state(c), c.meta_state) for c in cache]
+    write_cache_file(file_name, entries, metadata or {})
+
+
+def load_prompt_cache(file_name: str, return_metadata: bool = False):
+    """Load a prompt cache (and, with `return_metadata`, its user metadata) saved by
+    `save_prompt_cache` or upstream mlx-lm. A malformed file raises ValueError."""
+    cache, metadata = read_cache_file(file_name, _from_file)
+    if return_metadata:
+        return cache, metadata
+    return cache

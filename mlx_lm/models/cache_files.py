@@ -1,19 +1,18 @@
-"""Prompt-cache files in upstream mlx-lm's layout.
+"""The prompt-cache file layout of upstream mlx-lm, independent of the cache classes.
 
 One safetensors file. Tensors: the entries' states flattened with dotted keys,
 "<layer>.<i>[.<j>]". String metadata: "0.<layer>[.<i>...]" the meta states, "1.<key>"
-the user's metadata, "2.<layer>" the class names. An ArraysCache is stored as upstream
-does since #1632: ([arrays], left_padding, lengths), an empty array standing for None.
-Loading resolves class names through CACHE_CLASSES only and never runs code.
+the user's metadata, "2.<layer>" the class names. Which state each class stores, and
+how a class is rebuilt from it, is `models/cache.py`'s business (`save_prompt_cache`,
+`load_prompt_cache`); this module only maps (class name, state, meta state) per layer
+to and from the file, so it sits below cache.py and imports nothing of ours.
 """
 
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
 
 import mlx.core as mx
 
-from .cache import CACHE_CLASSES, ArraysCache, CacheList, _BaseCache
-
-_EMPTY = mx.array([], dtype=mx.float32)
+Entry = TypeVar("Entry")
 
 
 def _flatten(tree, prefix: str) -> dict:
@@ -43,53 +42,28 @@ def _unflatten(flat: dict):
     return [_unflatten(children[i]) for i in range(len(children))]
 
 
-def _file_state(entry: _BaseCache):
-    if isinstance(entry, CacheList):
-        return [_file_state(c) for c in entry.caches]
-    if isinstance(entry, ArraysCache):
-        return [[_EMPTY if a is None else a for a in entry.state], _EMPTY, _EMPTY]
-    return entry.state
-
-
-def _from_file(class_name: str, state, meta_state) -> _BaseCache:
-    if class_name not in CACHE_CLASSES:
-        raise ValueError(f"unknown cache class {class_name!r}; known classes: {', '.join(sorted(CACHE_CLASSES))}")
-    cls = CACHE_CLASSES[class_name]
-    if not isinstance(state, list):
-        raise ValueError(f"a {class_name} state must be a list of arrays, got one array")
-    if cls is CacheList:
-        class_names, metas = meta_state
-        if not len(class_names) == len(metas) == len(state):
-            raise ValueError(f"CacheList of {len(class_names)} classes, {len(metas)} metas, {len(state)} states")
-        return CacheList(*(_from_file(n, s, m) for n, s, m in zip(class_names, state, metas)))
-    if cls is ArraysCache:
-        if state and isinstance(state[0], list):  # ([arrays], left_padding, lengths)
-            if any(extra.size for extra in state[1:]):
-                raise ValueError("batched ArraysCache entries (left padding, lengths) are not supported")
-            state = state[0]
-        state = [None if a.size == 0 else a for a in state]
-    return cls.from_state(state, meta_state)
-
-
-def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[dict] = None) -> None:
-    """Save a prompt cache and string `metadata` to one safetensors file (upstream's
-    layout; MLX appends ".safetensors" to a name without it)."""
-    metadata = metadata or {}
+def write_cache_file(file_name: str, entries: Sequence[Tuple[str, Any, Any]], metadata: Dict[str, str]) -> None:
+    """Write one (class name, state tree of arrays, meta state tree of strings) per
+    layer and the user's string `metadata` (MLX appends ".safetensors" to a name
+    without it)."""
     bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
     if bad:
         raise ValueError(f"Prompt cache metadata must map strings to strings; got {bad!r}")
     tensors = {}
     strings = {f"1.{k}": v for k, v in metadata.items()}
-    for i, entry in enumerate(cache):
-        tensors.update(_flatten(_file_state(entry), str(i)))
-        strings.update(_flatten(entry.meta_state, f"0.{i}"))
-        strings[f"2.{i}"] = type(entry).__name__
+    for i, (class_name, state, meta_state) in enumerate(entries):
+        tensors.update(_flatten(state, str(i)))
+        strings.update(_flatten(meta_state, f"0.{i}"))
+        strings[f"2.{i}"] = class_name
     mx.save_safetensors(str(file_name), tensors, strings)
 
 
-def load_prompt_cache(file_name: str, return_metadata: bool = False):
-    """Load a prompt cache (and, with `return_metadata`, its user metadata) saved by
-    `save_prompt_cache` or upstream mlx-lm. A malformed file raises ValueError."""
+def read_cache_file(
+    file_name: str, build_entry: Callable[[str, Any, Any], Entry]
+) -> Tuple[List[Entry], Dict[str, str]]:
+    """([build_entry(class name, state, meta state) per layer], user metadata). Every
+    problem, in the layout or from `build_entry`, raises ValueError naming the file
+    (and the entry)."""
     try:
         tensors, strings = mx.load(str(file_name), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:
@@ -122,12 +96,10 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False):
             f"Malformed prompt cache file {file_name}: {len(class_names)} class names and "
             f"{len(meta_states)} meta states (expected one of each per layer, at least one layer)"
         )
-    cache = []
+    entries = []
     for i, (name, meta) in enumerate(zip(class_names, meta_states)):
         try:
-            cache.append(_from_file(name, _unflatten(per_layer[i]), meta))
+            entries.append(build_entry(name, _unflatten(per_layer[i]), meta))
         except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
             raise ValueError(f"Malformed prompt cache file {file_name}: entry {i} ({name!r}): {e}") from None
-    if return_metadata:
-        return cache, by_section["1"]
-    return cache
+    return entries, by_section["1"]

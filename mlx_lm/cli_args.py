@@ -1,0 +1,63 @@
+"""What the command lines share: argparse value types, defaults and the help layout.
+
+A leaf module (argparse and json only), so the CLIs (generate, cache_prompt, server)
+can share it without importing one another.
+"""
+
+import argparse
+import json
+import sys
+
+DEFAULT_MODEL = "mlx-community/Llama-3.2-3B-Instruct-4bit"
+DEFAULT_QUANTIZED_KV_START = 5000
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` lists every option's default, except where there is none to tell."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, (), []) or isinstance(action, argparse._StoreTrueAction):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def str2bool(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("true", "t", "yes", "y", "1"):
+        return True
+    if lowered in ("false", "f", "no", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return number
+
+
+def prompt_text(value: str) -> str:
+    """A --prompt value: '-' reads stdin; the escapes \\n and \\t typed in a shell become
+    a newline and a tab."""
+    if value == "-":
+        return sys.stdin.read()
+    return value.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def format_bytes(num_bytes: int) -> str:
+    """A size in the largest unit that keeps it at least 1 (KB, MB, GB; binary)."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes / 2**10:.2f} KB"
