@@ -31,21 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
-from gdn_prefill import RESULTS, blas_env, find_openblas  # noqa: E402
-from spec_bench import DRAFT, PROMPTS, TARGET, loaded_blas  # noqa: E402
-
-BLAS_MARKER = "CPU_DTYPE_BLAS"
-
-
-def reexec_with_blas(choice: str) -> None:
-    """Run again with OpenBLAS preloaded (one thread: the machine is shared)."""
-    if os.environ.get(BLAS_MARKER) or choice == "reference" or (choice == "auto" and not find_openblas()):
-        return
-    env = blas_env("openblas")
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env[BLAS_MARKER] = "1"
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
+from gdn_prefill import RESULTS  # noqa: E402
+from spec_bench import DRAFT, PROMPTS, TARGET, loaded_blas, reexec_with_blas  # noqa: E402
 
 def tokens_per_second(decode, prompts, tokens: int) -> float:
     """Greedy tokens/s of `decode(prompt)` (a token generator) over all prompts."""
