@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gdn_prefill import RESULTS  # noqa: E402
 from spec_bench import DRAFT, PROMPTS, TARGET, loaded_blas, reexec_with_blas  # noqa: E402
 
+
 def tokens_per_second(decode, prompts, tokens: int) -> float:
     """Greedy tokens/s of `decode(prompt)` (a token generator) over all prompts."""
     import mlx.core as mx
