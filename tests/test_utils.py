@@ -8,8 +8,12 @@ import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
 from conftest import FIXTURES
 
+from mlx.utils import tree_flatten
+
+from mlx_lm.convert import convert
+from mlx_lm.generate import stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import get_model_path, load, load_model
+from mlx_lm.utils import compute_dtype, get_model_path, load, load_model
 
 
 def copy_fixture(tmp_path, name="llama_tf4"):
@@ -110,3 +114,85 @@ def test_bad_files_get_clear_errors(tmp_path):
     (directory / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="No config.json"):
         load_model(directory)
+
+
+# ---------------------------------------------------------------------------
+# Compute dtype: half precision runs as float32 on the CPU backend (issue 21).
+
+
+def half_checkpoint(directory, config_name="qwen3", dtype=mx.float16):
+    """A tiny checkpoint whose weights are stored in `dtype`."""
+    write_checkpoint(directory, TINY_CONFIGS[config_name])
+    weights = mx.load(str(directory / "model.safetensors"))
+    mx.save_safetensors(str(directory / "model.safetensors"), {k: v.astype(dtype) for k, v in weights.items()})
+    return directory
+
+
+def float_dtypes(model):
+    return {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
+
+
+def within_half_rounding(full, half):
+    """float16 activations through a 2-layer model: within 1% of the logits' scale
+    (measured 0.2-0.5%)."""
+    error = mx.abs(full - half.astype(mx.float32)).max().item()
+    return error <= 0.01 * mx.abs(full).max().item()
+
+
+def test_compute_dtype_policy():
+    cpu, gpu = mx.Device(mx.cpu), mx.Device(mx.gpu)
+    assert compute_dtype(None, cpu)[0] == mx.float32
+    assert compute_dtype("auto", cpu)[0] == mx.float32
+    assert compute_dtype("auto", gpu)[0] is None  # Metal and CUDA keep the checkpoint's dtypes
+    assert compute_dtype("bfloat16", cpu)[0] == mx.bfloat16
+    with pytest.raises(ValueError, match="Unsupported dtype 'float8'; choose auto or one of"):
+        compute_dtype("float8")
+
+
+@pytest.mark.parametrize("stored", [mx.float16, mx.bfloat16])
+def test_half_checkpoint_loads_as_float32_on_cpu_unless_asked(tmp_path, stored):
+    directory = half_checkpoint(tmp_path / "half", dtype=stored)
+    model, _ = load(str(directory))
+    assert float_dtypes(model) == {mx.float32}
+    kept, _ = load(str(directory), dtype="float16")
+    assert float_dtypes(kept) == {mx.float16}
+    # float16 -> float32 is exact, so the float32 model holds the stored numbers.
+    tokens = mx.array([[5, 17, 42, 7]])
+    full, half = model(tokens), kept(tokens)
+    assert full.dtype == mx.float32 and half.dtype == mx.float16
+    assert within_half_rounding(full, half)
+
+
+def test_quantized_checkpoint_scales_become_float32(tmp_path):
+    source = half_checkpoint(tmp_path / "half")
+    quantized = tmp_path / "q4"
+    convert(str(source), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    model, _ = load(str(quantized))
+    kept, _ = load(str(quantized), dtype="float16")
+    scales = [(path, m) for path, m in model.named_modules() if "scales" in m]
+    assert scales and all(m.scales.dtype == mx.float32 and m.biases.dtype == mx.float32 for _, m in scales)
+    kept_modules = dict(kept.named_modules())
+    for path, module in scales:  # the same quantized weights: the cast is exact
+        half = kept_modules[path]
+        assert half.scales.dtype == mx.float16
+        assert mx.array_equal(module.weight, half.weight)
+        assert mx.array_equal(module.scales, half.scales.astype(mx.float32))
+    assert within_half_rounding(model(mx.array([[5, 17, 42, 7]])), kept(mx.array([[5, 17, 42, 7]])))
+
+
+def test_greedy_generation_unchanged_by_the_float32_default(tmp_path):
+    """Greedy tokens equal float16 decoding's, except where float16 rounding decides a
+    near tie (then the float16 logits of the two choices are within its rounding)."""
+    directory = half_checkpoint(tmp_path / "half")
+    model, tokenizer = load(str(directory))
+    kept, _ = load(str(directory), dtype="float16")
+    prompt = tokenizer.encode("def fibonacci(n):")
+    full = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    half = [r for r in stream_generate(kept, tokenizer, prompt, max_tokens=24)]
+    for i, (a, b) in enumerate(zip(full, half)):
+        if a != b.token:
+            margin = (b.logprobs[b.token] - b.logprobs[a]).item()
+            assert 0 <= margin < 0.05, (i, a, b.token, margin)
+            break
+    else:
+        assert full == [r.token for r in half]
