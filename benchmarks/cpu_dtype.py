@@ -58,14 +58,6 @@ def build_checkpoints(scratch: Path) -> dict:
     return {"float32": float32, "float16": TARGET, "q4": quantized}
 
 
-def param_dtypes(model) -> str:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    floats = {str(p.dtype).split(".")[-1] for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
-    return "/".join(sorted(floats))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=48, help="tokens generated per prompt")
@@ -77,7 +69,7 @@ def main():
     import mlx.core as mx
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from mlx_lm.utils import load
+    from mlx_lm.utils import load, parameter_dtypes
 
     blas = loaded_blas()
     print(f"BLAS: {blas}", flush=True)
@@ -107,8 +99,8 @@ def main():
     speeds = {name: statistics.median(v) for name, v in samples.items()}
     reference = speeds["float32 copy, auto"]
 
-    dtypes = {name: param_dtypes(model) for name, model in rows.items()}
-    dtypes[speculative] = f"{param_dtypes(rows['float16 checkpoint, auto'])} (draft {param_dtypes(draft)})"
+    dtypes = {name: parameter_dtypes(model) for name, model in rows.items()}
+    dtypes[speculative] = f"{parameter_dtypes(rows['float16 checkpoint, auto'])} (draft {parameter_dtypes(draft)})"
     lines = [
         "# Decoding speed by compute dtype on the CPU backend",
         "",

@@ -21,6 +21,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """--dtype: the compute dtype of the weights (utils.compute_dtype)."""
+    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                        help="Compute dtype of the weights; auto runs half precision (scales included) as "
+                        "float32 on the CPU backend, where it is several times faster, and keeps the "
+                        "checkpoint's dtypes on Metal and CUDA")
+
+
 def str2bool(value: str) -> bool:
     lowered = value.lower()
     if lowered in ("true", "t", "yes", "y", "1"):

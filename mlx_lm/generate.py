@@ -15,6 +15,7 @@ from .cli_args import (
     DEFAULT_MODEL,
     DEFAULT_QUANTIZED_KV_START,
     HelpFormatter,
+    add_dtype_argument,
     json_object,
     positive_int,
     prompt_text,
@@ -588,6 +589,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
                         help="Tokens the draft model proposes per target forward")
+    add_dtype_argument(parser)
     return parser
 
 
@@ -624,10 +626,10 @@ def main(argv: Optional[List[str]] = None) -> None:
 def run(args: argparse.Namespace) -> str:
     """Load the model (and draft) and generate as the parsed command line says."""
     from .cache_prompt import load_cached_prompt
-    from .utils import load
+    from .utils import compute_dtype, load, parameter_dtypes
 
-    model, tokenizer = load(args.model)
-    draft_model = None if args.draft_model is None else load(args.draft_model)[0]
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    draft_model = None if args.draft_model is None else load(args.draft_model, dtype=args.dtype)[0]
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(int(token) if token.isdigit() else token)
     sampler = make_sampler(
@@ -664,6 +666,8 @@ def run(args: argparse.Namespace) -> str:
         target_cache = kwargs["prompt_cache"]
         quantize_kv = kv_quantizer(target_cache, args.kv_bits, args.kv_group_size, args.quantized_kv_start)
         kwargs["prompt_cache"] = target_cache + cached.cache_for(draft_model, quantize_kv)
+    if args.verbose:
+        print(f"Compute dtype: {parameter_dtypes(model)} ({compute_dtype(args.dtype)[1]})")
     return generate(model, tokenizer, prompt_tokens, verbose=args.verbose, **kwargs)
 
 

@@ -415,6 +415,12 @@ def cast_floats(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     return model
 
 
+def parameter_dtypes(model: nn.Module) -> str:
+    """The floating point dtypes the model's parameters hold, e.g. "float32"."""
+    floats = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
+    return "/".join(sorted(str(d).split(".")[-1] for d in floats))
+
+
 # ---------------------------------------------------------------------------
 # Saving in the MLX layout.
 

@@ -162,6 +162,7 @@ def test_cli_generates_and_reports_speed(tiny_model_dir):
                      "--max-tokens", "5", "--system-prompt", "be brief")
     assert result.returncode == 0, result.stderr
     assert "Generation: " in result.stdout and "tokens-per-sec" in result.stdout
+    assert "Compute dtype: float32 (auto: " in result.stdout
     assert "PyTorch was not found" not in result.stderr and "RuntimeWarning" not in result.stderr
     quiet = run_cli("mlx_lm", "generate", "--model", str(tiny_model_dir), "--prompt", "-",
                     "--max-tokens", "4", "--verbose", "false", "--ignore-chat-template",
@@ -185,7 +186,9 @@ def test_cli_errors_are_clear(tiny_model_dir, tmp_path):
 
 def test_cli_speculative_prints_acceptance(tiny_model_dir):
     result = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir),
-                     "--num-draft-tokens", "4", "--prompt", "def f(x):", "--max-tokens", "12")
+                     "--num-draft-tokens", "4", "--prompt", "def f(x):", "--max-tokens", "12",
+                     "--dtype", "float16")
     assert result.returncode == 0, result.stderr
+    assert "Compute dtype: float16 (float16, as asked)" in result.stdout
     assert "Speculation:" in result.stdout and "accepted (100.0%)" in result.stdout
     assert "tokens per target forward" in result.stdout
