@@ -567,7 +567,7 @@ class APIHandler(BaseHTTPRequestHandler):
             raise RequestError(400, f"the request body ended after {len(raw)} of its {size} bytes (Content-Length)")
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # bad syntax, bad UTF-8, an integer of over 4300 digits
             raise RequestError(400, f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels: "

@@ -24,7 +24,8 @@ from checkpoints import TINY_CONFIGS, write_checkpoint
 from server_harness import start_server
 
 from mlx_lm.generate import generate
-from mlx_lm.server import setup_arg_parser
+from mlx_lm.openai_api import ServerDefaults
+from mlx_lm.server import APIServer, setup_arg_parser
 from mlx_lm.utils import load
 
 MAX_TOKENS = 8
@@ -187,6 +188,7 @@ MALFORMED = [
      "'messages[0].content[0].text' is not valid Unicode"),
     (b'{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '
      b'"{\\"a\\": \\"\\\\ud800\\"}"}}]}]}', 400, "'messages[0].tool_calls[0].function.arguments.a'"),
+    (b'{"messages": [], "seed": ' + b"1" * 5000 + b"}", 400, "not valid JSON"),
 ]
 
 
@@ -437,3 +439,32 @@ def test_help_shows_defaults():
                           ("--port", "8080"), ("--allowed-origins", "none")]:
         entry = text[text.rindex(flag + " "):]  # its help entry (the usage line comes first)
         assert re.search(r"\(default: ([^)]*)\)", entry).group(1) == default, flag
+
+
+class _BrokenProvider:
+    """Fails in a way no request validation foresees."""
+
+    model_id = "broken"
+    names = {"broken"}
+
+    def resolve(self, request):
+        raise RuntimeError("an unforeseen bug")
+
+
+def test_unexpected_handler_failures_are_500_json_and_the_server_lives_on():
+    server = APIServer("127.0.0.1", 0, ServerDefaults(), [], max_connections=4, request_timeout=TIMEOUT)
+    server.provider = _BrokenProvider()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        connection = http.client.HTTPConnection(*server.server_address, timeout=30)
+        for _ in range(2):  # the server, and a new connection, still work afterwards
+            connection.request("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
+            response = connection.getresponse()
+            body = json.loads(response.read())
+            assert response.status == 500 and response.headers["Connection"] == "close"
+            assert body["error"] == {"message": "internal server error: RuntimeError: an unforeseen bug",
+                                     "type": "server_error", "param": None, "code": 500}
+            connection.close()
+    finally:
+        server.shutdown()
+        server.server_close()
