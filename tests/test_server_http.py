@@ -256,15 +256,20 @@ def test_idle_connections_neither_pile_up_threads_nor_memory(dense):
     for sock in socks:
         sock.close()
     assert wait_for(lambda: proc_status(dense)[0] <= threads_before, 5)
-    # 200 held open: past the cap, a 503 JSON and a close, with no thread.
-    socks = [socket.create_connection(dense.address) for _ in range(200)]
+    # A keep-alive connection left idle after its request, and 200 held open: past the
+    # cap, a 503 JSON and a close, with no thread.
+    kept = socket.create_connection(dense.address)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+    socks = [socket.create_connection(dense.address) for _ in range(200 - 1)]
     threads_held = proc_status(dense)[0]
     replies = [read_until_closed(sock, limit=TIMEOUT + 10) for sock in socks]  # the held ones close on timeout
     refused = [r for r in replies if r.startswith(b"HTTP/1.1 503")]
     assert len(refused) == 200 - MAX_CONNECTIONS and b"--max-connections" in refused[0]
     assert json.loads(refused[0].split(b"\r\n\r\n", 1)[1])["error"]["code"] == 503
-    assert replies.count(b"") == MAX_CONNECTIONS  # idle: closed without a word
-    for sock in socks:
+    assert replies.count(b"") == MAX_CONNECTIONS - 1  # idle: closed without a word
+    assert read_until_closed(kept, limit=TIMEOUT + 10) == b""
+    for sock in socks + [kept]:
         sock.close()
     assert threads_held <= threads_before + MAX_CONNECTIONS
     assert wait_for(lambda: proc_status(dense)[0] <= threads_before, 5)
