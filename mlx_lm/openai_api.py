@@ -25,6 +25,8 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_TOP_LOGPROBS = 20
 MAX_NUM_DRAFT_TOKENS = 64
 MAX_CONTEXT_SIZE = 1 << 20
+# Validators, chat templates and json.dumps recurse; real requests nest a handful of levels.
+MAX_JSON_DEPTH = 64
 
 class RequestError(Exception):
     """A request the server refuses: HTTP `status` with an OpenAI-style error body."""
@@ -71,6 +73,40 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     num_draft_tokens: Optional[int]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _child_path(parent: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def check_json_tree(body: Any) -> None:
+    """Refuse a decoded body nested deeper than MAX_JSON_DEPTH, or holding text that
+    cannot be UTF-8 encoded (a lone surrogate, from an unpaired \\ud800-\\udfff
+    escape): the tokenizer would fail on it after the request was accepted. Iterative,
+    so any depth json.loads returns is safe to walk."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            where = path if len(path) <= 60 else path[:60] + "..."
+            raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels "
+                                    f"(at '{where}'): send a flatter body")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                raise RequestError(400, f"a key in '{path or 'the request body'}' is not valid Unicode: "
+                                        "it holds a lone surrogate (\\ud800-\\udfff escapes must come in pairs)")
+            if isinstance(item, str):
+                if not item.isascii() and _SURROGATE.search(item):
+                    raise RequestError(400, f"'{_child_path(path, key)}' is not valid Unicode text: it holds a lone "
+                                            "surrogate (\\ud800-\\udfff escapes must come in pairs)")
+            elif isinstance(item, (dict, list)):
+                stack.append((item, _child_path(path, key), depth + 1))
 
 
 def _bad(name: str, expected: str, value: Any) -> RequestError:
@@ -138,6 +174,32 @@ def _message_content(index: int, content: Any) -> Optional[str]:
     raise _bad(f"messages[{index}].content", "a string or a list of text parts", content)
 
 
+def _tool_calls(index: int, calls: Any) -> None:
+    """An assistant message's tool calls: a list of {"type": "function", "function":
+    {"name": str, "arguments": str or object}}. Arguments sent as JSON text become
+    objects, because chat templates index them as objects."""
+    name = f"messages[{index}].tool_calls"
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise _bad(name, "a list of tool calls", calls)
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise _bad(f"{name}[{j}]", 'an object {"type": "function", "function": {"name": ..., "arguments": ...}}',
+                       call)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except (json.JSONDecodeError, RecursionError):
+                continue  # the template gets the string as sent
+            check_json_tree({f"{name}[{j}].function.arguments": parsed})  # decoded text: check it too
+            function["arguments"] = parsed
+        elif arguments is not None and not isinstance(arguments, dict):
+            raise _bad(f"{name}[{j}].function.arguments", "a JSON string or an object", arguments)
+
+
 def _messages(body: dict) -> List[Dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -147,16 +209,17 @@ def _messages(body: dict) -> List[Dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad(f"messages[{i}]", 'an object with a string "role"', message)
         message = dict(message, content=_message_content(i, message.get("content")))
-        # Chat templates index tool-call arguments as objects; clients send JSON strings.
-        for call in message.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError:
-                    pass  # the template gets the string as sent
+        _tool_calls(i, message.get("tool_calls"))
         parsed.append(message)
     return parsed
+
+
+def _tools(body: dict) -> Optional[List[Dict[str, Any]]]:
+    tools = _get(body, "tools", (list,), "a list of tools")
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):
+            raise _bad(f"tools[{i}]", 'an object {"type": "function", "function": {...}}', tool)
+    return tools
 
 
 def _prompt(body: dict) -> Any:
@@ -197,6 +260,7 @@ def parse_request(body: Any, kind: str, defaults: ServerDefaults) -> GenerationR
     endpoint; RequestError(400) names the first bad field and its value."""
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    check_json_tree(body)
     _integer(body, "n", 1, 1, 1)  # one choice per request
     max_tokens = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
     if max_tokens is None:
@@ -215,7 +279,7 @@ def parse_request(body: Any, kind: str, defaults: ServerDefaults) -> GenerationR
         draft_model=_get(body, "draft_model", (str,), "a string"),
         messages=_messages(body) if kind == "chat" else None,
         prompt=_prompt(body) if kind == "text" else None,
-        tools=_get(body, "tools", (list,), "a list of tools"),
+        tools=_tools(body),
         chat_template_kwargs={**defaults.chat_template_args, **template_kwargs},
         max_tokens=max_tokens,
         sampling=_sampling_fields(body, defaults),
@@ -365,7 +429,8 @@ class ResponseBuilder:
 
 
 def error_body(status: int, message: str) -> dict:
-    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 

@@ -8,9 +8,16 @@ then `data: [DONE]`; `: keepalive <done>/<total>` comments go out during prefill
 Serving. The model (and `--draft-model`) is loaded once. Request handler threads only
 parse and validate; every MLX computation runs on one worker thread that takes jobs
 from a queue, so generation is serialised and responses never interleave. A client
-that disconnects (noticed at the next write, or by polling the socket while waiting)
+that disconnects (noticed at a failed write, or while waiting by polling the socket:
+end of input may be a half-close, so it is tested with a write the client ignores)
 has its job cancelled: the worker closes the generator at the next token and stores
 the cache under exactly the tokens it holds.
+
+Connections. The port is bound before the model loads. One thread per connection, at
+most --max-connections (past that: 503 and close); every read and write waits at most
+--request-timeout (408 for a body that stops short); every refusal is a JSON error in
+OpenAI's shape. Web pages get in only from --allowed-origins (CORS): a request whose
+Origin header is not listed is refused with 403 before any work.
 
 Prompt cache (`lru_prompt_cache.LRUPromptCache`). After `stream_generate` stops (EOS,
 length, a stop string or a cancel) the cache holds the prompt plus every generated
@@ -41,9 +48,11 @@ import socket
 import sys
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Generator, List, Optional
+from urllib.parse import unquote
 
 import mlx.core as mx
 
@@ -60,6 +69,7 @@ from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .openai_api import (
     DEFAULT_MODEL_NAME,
     MAX_BODY_BYTES,
+    MAX_JSON_DEPTH,
     MAX_TOKENS_LIMIT,
     GenerationRequest,
     GenerationResult,
@@ -167,6 +177,13 @@ class ServedModel:
         return prefill(self.model, prompt, prompt_cache[:num_target], step, progress).tolist()
 
 
+def model_id(path: str) -> str:
+    """The public name of a model: a local directory's name (never its path, which
+    tells clients about the server's disk), or the repo id as given."""
+    local = Path(path).expanduser()
+    return local.resolve().name if local.exists() else path
+
+
 class ModelProvider:
     """Maps request model names to the served model. With `allow_other_models`,
     requests may also name another local model directory, loaded on demand in place of
@@ -175,7 +192,8 @@ class ModelProvider:
     def __init__(self, model_path: str, draft_path: Optional[str], allow_other_models: bool,
                  cache_size: int, cache_bytes: int, chat_template: Optional[str]):
         self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template)
-        self.names = {model_path, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
+        self.model_id = model_id(model_path)
+        self.names = {model_path, self.model_id, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
                       DEFAULT_MODEL_NAME}
         self.draft_names = {None, DEFAULT_MODEL_NAME}
         if draft_path is not None:
@@ -187,11 +205,11 @@ class ModelProvider:
     def resolve(self, request: GenerationRequest) -> Optional[str]:
         """None for the served model, else the path of another local model; raises 404."""
         if request.draft_model not in self.draft_names:
-            served = self.default.draft_name or "no draft model"
+            served = "no draft model" if self.default.draft_name is None else model_id(self.default.draft_name)
             raise RequestError(404, f"draft model {request.draft_model!r} is not served here (this server uses {served})")
         if request.model is None or request.model in self.names:
             return None
-        hint = f"this server serves {self.default.name!r}; name it, its directory name or {DEFAULT_MODEL_NAME!r}"
+        hint = f"this server serves {self.model_id!r}; name it or {DEFAULT_MODEL_NAME!r}"
         if not self.allow_other_models:
             raise RequestError(404, f"model {request.model!r} is not served here: {hint} "
                                     "(the operator can allow other local models with --allow-other-models)")
@@ -200,7 +218,7 @@ class ModelProvider:
             raise RequestError(404, f"model {request.model!r} is not a local model directory with a config.json "
                                     f"(the server never downloads models): {hint}")
         if request.draft_model not in (None, DEFAULT_MODEL_NAME) or request.num_draft_tokens is not None:
-            raise RequestError(400, f"speculative decoding is only available with {self.default.name!r}")
+            raise RequestError(400, f"speculative decoding is only available with {self.model_id!r}")
         return str(path.resolve())
 
     def get(self, key: Optional[str]) -> ServedModel:
@@ -386,15 +404,70 @@ class GenerationWorker:
 
 
 class APIServer(ThreadingHTTPServer):
-    daemon_threads = True  # a hung client never keeps the process alive
+    """Binds at construction (before any model loads); `provider` and `worker` are set
+    once loaded. One thread per connection, at most `max_connections` at once: past
+    that a connection gets a 503 from the accepting thread and is closed."""
 
-    def __init__(self, address, provider: ModelProvider, worker: GenerationWorker, defaults: ServerDefaults,
-                 allowed_origins: List[str]):
-        super().__init__(address, APIHandler)
-        self.provider = provider
-        self.worker = worker
+    daemon_threads = True  # a hung client never keeps the process alive
+    request_queue_size = 128  # listen backlog: a burst of connects waits here, not for a SYN retry
+
+    def __init__(self, host: str, port: int, defaults: ServerDefaults, allowed_origins: List[str],
+                 max_connections: int, request_timeout: float):
+        # Hostnames never contain ':', IPv6 literals always do.
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), APIHandler)
+        self.provider: Optional[ModelProvider] = None
+        self.worker: Optional[GenerationWorker] = None
         self.defaults = defaults
         self.allowed_origins = allowed_origins
+        self.request_timeout = request_timeout
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._num_refused, self._last_refusal_log = 0, -math.inf
+        body = json.dumps(error_body(503, f"the server already has {max_connections} open connections "
+                                          "(--max-connections); retry shortly")).encode()
+        self._busy_response = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                               b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://[{host}]:{port}" if self.address_family == socket.AF_INET6 else f"http://{host}:{port}"
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request, client_address)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread took the slot
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, sock: socket.socket, client_address) -> None:
+        """Answer 503 without a thread. The response is smaller than any send buffer, so
+        the non-blocking send never stalls the accept loop."""
+        self._num_refused += 1
+        if time.monotonic() - self._last_refusal_log > 10:  # a flood must not flood the log
+            self._last_refusal_log = time.monotonic()
+            log.warning("At --max-connections (%d): refusing connections (%d so far, latest from %s)",
+                        self.max_connections, self._num_refused, client_address[0])
+        try:
+            sock.setblocking(False)
+            sock.send(self._busy_response)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(65536):  # drop what the client already sent, so close sends FIN, not RST
+                pass
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
 
 class _ClientGone(Exception):
@@ -404,27 +477,50 @@ class _ClientGone(Exception):
 class APIHandler(BaseHTTPRequestHandler):
     server: APIServer
     protocol_version = "HTTP/1.1"
+    # Until a request line names its version; http.server's HTTP/0.9 default would send
+    # error bodies without a status line. Nobody speaks HTTP/0.9.
+    default_request_version = "HTTP/1.0"
     POST_ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text"}
+    PROBE_INTERVAL = 1.0  # seconds between writes that test a client whose side reads as closed
+
+    def setup(self) -> None:
+        # Bounds every read (request line, headers, body, idle keep-alive) and every write.
+        self.timeout = self.server.request_timeout
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s - %s", self.address_string(), format % args)
 
     # -- plumbing
 
-    def _cors(self) -> None:
-        origins = self.server.allowed_origins
+    def end_headers(self) -> None:
+        super().end_headers()
+        self._response_started = True
+
+    def _origin_allowed(self) -> bool:
+        """Requests without an Origin (curl, SDKs) are not from a web page."""
         origin = self.headers.get("Origin")
-        if "*" in origins:
+        return origin is None or "*" in self.server.allowed_origins or origin in self.server.allowed_origins
+
+    def _cors(self) -> None:
+        origin = self.headers.get("Origin") if getattr(self, "headers", None) is not None else None
+        if origin is None or not self._origin_allowed():
+            return
+        if "*" in self.server.allowed_origins:
             self.send_header("Access-Control-Allow-Origin", "*")
-        elif origin in origins:
+        else:
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Vary", "Origin")
 
     def _send_json(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
+        if status == HTTPStatus.METHOD_NOT_ALLOWED:
+            self.send_header("Allow", "GET, POST, OPTIONS")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self._cors()
         self.end_headers()
         self.wfile.write(data)
@@ -433,11 +529,22 @@ class APIHandler(BaseHTTPRequestHandler):
     def _send_error(self, status: int, message: str) -> None:
         self._send_json(status, error_body(status, message))
 
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """http.server's own refusals (bad request line, oversized headers, unknown
+        method) in the OpenAI error shape. The stream position is unknown after them."""
+        self.close_connection = True
+        if code == HTTPStatus.NOT_IMPLEMENTED:  # http.server's answer to a method it has no do_ for
+            code, message = HTTPStatus.METHOD_NOT_ALLOWED, f"method {self.command} is not supported: use GET or POST"
+        self._send_error(code, message or HTTPStatus(code).phrase)
+
     def _write_event(self, data: str) -> None:
         self.wfile.write(data.encode())
         self.wfile.flush()
 
     def _read_body(self) -> Any:
+        if self.headers.get("Transfer-Encoding") is not None:
+            self.close_connection = True
+            raise RequestError(411, "chunked request bodies are not supported: send a Content-Length header")
         length = self.headers.get("Content-Length")
         if length is None:
             self.close_connection = True
@@ -445,52 +552,107 @@ class APIHandler(BaseHTTPRequestHandler):
         if not length.strip().isdigit():
             self.close_connection = True
             raise RequestError(400, f"invalid Content-Length header {length!r}")
-        if int(length) > MAX_BODY_BYTES:
+        size = int(length)
+        if size > MAX_BODY_BYTES:
             self.close_connection = True
             raise RequestError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(int(length))
+        try:
+            raw = self.rfile.read(size)
+        except TimeoutError:
+            self.close_connection = True
+            raise RequestError(408, f"the {size}-byte request body (Content-Length) did not arrive: nothing came "
+                                    f"for {self.server.request_timeout:g} s (--request-timeout)") from None
+        if len(raw) < size:
+            self.close_connection = True
+            raise RequestError(400, f"the request body ended after {len(raw)} of its {size} bytes (Content-Length)")
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # bad syntax, bad UTF-8, an integer of over 4300 digits
             raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels: "
+                                    "send a flatter body") from None
+
+    def _discard_body(self) -> None:
+        """Routes that take no body: one sent anyway would be read as the next request."""
+        if self.headers.get("Transfer-Encoding") is not None or self.headers.get("Content-Length", "0") != "0":
+            self.close_connection = True
+
+    def _guarded(self, route: Callable[[], None]) -> None:
+        """Every failure becomes a JSON error, never a silently dropped connection."""
+        self._response_started = False
+        try:
+            if not self._origin_allowed():
+                self.close_connection = True  # the body, if any, stays unread
+                origin = self.headers.get("Origin")
+                raise RequestError(403, f"requests from web pages at {origin!r} are not allowed: the operator "
+                                        "can allow this origin with --allowed-origins")
+            route()
+        except RequestError as e:
+            self._reply_error(e.status, e.message)
+        except OSError:  # the client went away or a write timed out: nobody to tell
+            self.close_connection = True
+        except Exception as e:
+            log.exception("Request handler failed")
+            self.close_connection = True
+            self._reply_error(500, f"internal server error: {type(e).__name__}: {e}")
+
+    def _reply_error(self, status: int, message: str) -> None:
+        if self._response_started:
+            return  # too late for a status line
+        try:
+            self._send_error(status, message)
+        except OSError:
+            self.close_connection = True
 
     # -- routes
 
     def do_OPTIONS(self) -> None:
+        self._guarded(self._options)
+
+    def do_GET(self) -> None:
+        self._guarded(self._get)
+
+    def do_POST(self) -> None:
+        self._guarded(self._post)
+
+    def _options(self) -> None:
+        self._discard_body()
         self.send_response(204)
         self._cors()
-        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+        self.send_header("Allow", "GET, POST, OPTIONS")
+        if self.headers.get("Origin") is not None:  # a CORS preflight from an allowed origin
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+            self.send_header("Access-Control-Max-Age", "600")
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        name = self.server.provider.default.name
-        model = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlx_lm"}
+    def _get(self) -> None:
+        self._discard_body()
+        path = unquote(self.path.split("?", 1)[0]).rstrip("/")
+        provider = self.server.provider
+        model = {"id": provider.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx_lm"}
         if path == "/health":
             self._send_json(200, {"status": "ok"})
         elif path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [model]})
-        elif path.startswith("/v1/models/") and path[len("/v1/models/"):] in self.server.provider.names:
+        elif path.startswith("/v1/models/") and path[len("/v1/models/"):] in provider.names:
             self._send_json(200, model)
         else:
-            self._send_error(404, f"no such endpoint: GET {path}")
+            raise RequestError(404, f"no such endpoint: GET {path}")
 
-    def do_POST(self) -> None:
-        try:
-            body = self._read_body()
-            kind = self.POST_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
-            if kind is None:
-                raise RequestError(404, f"no such endpoint: POST {self.path}")
-            request = parse_request(body, kind, self.server.defaults)
-            job = Job(request, self.server.provider.resolve(request))
-        except RequestError as e:
-            self._send_error(e.status, e.message)
-            return
+    def _post(self) -> None:
+        body = self._read_body()
+        kind = self.POST_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+        if kind is None:
+            raise RequestError(404, f"no such endpoint: POST {self.path}")
+        request = parse_request(body, kind, self.server.defaults)
+        job = Job(request, self.server.provider.resolve(request))
         self.server.worker.submit(job)
-        name = self.server.provider.default.name if job.model_key is None else job.model_key
+        name = self.server.provider.model_id if job.model_key is None else model_id(job.model_key)
         builder = ResponseBuilder(request, name)
+        self._last_probe = -math.inf
         try:
             if request.stream:
                 self._stream(job, builder)
@@ -507,15 +669,31 @@ class APIHandler(BaseHTTPRequestHandler):
             try:
                 return job.events.get(timeout=0.25)
             except queue.Empty:
-                if self._client_closed():
+                if self._client_gone():
                     raise _ClientGone() from None
 
-    def _client_closed(self) -> bool:
+    def _client_gone(self) -> bool:
+        """A reset connection is gone. End of input alone is not: a client may half-close
+        after sending its request and still read the answer. Only a write tells the two
+        apart (a closed peer answers it with a reset), so then write something every
+        client ignores: before the response an interim `100 Continue` (RFC 9110 15.2:
+        clients must accept unexpected 1xx responses), inside an event stream a comment."""
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            if not readable or self.connection.recv(1, socket.MSG_PEEK):
+                return False  # nothing new, or bytes of a next request
+            # After end of input, recv keeps returning b"" even once a reset has come.
+            if self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                return True
         except OSError:
             return True
+        if self.request_version == "HTTP/1.0":
+            return True  # no 1xx may go to an HTTP/1.0 client: take end of input as goodbye
+        if time.monotonic() - self._last_probe >= self.PROBE_INTERVAL:
+            self._last_probe = time.monotonic()
+            self.wfile.write(b": probe\n\n" if self._response_started else b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.wfile.flush()
+        return False
 
     def _complete(self, job: Job, builder: ResponseBuilder) -> None:
         event = self._next_event(job)  # no deltas or keepalives: the job does not stream
@@ -536,15 +714,13 @@ class APIHandler(BaseHTTPRequestHandler):
             self._write_event(f"data: {json.dumps(builder.role_chunk())}\n\n")
 
     def _stream(self, job: Job, builder: ResponseBuilder) -> None:
-        started = False
         while True:
             event = self._next_event(job)
-            if event[0] == "error" and not started:
+            if event[0] == "error" and not self._response_started:
                 self._send_error(event[1], event[2])
                 return
-            if not started:
+            if not self._response_started:
                 self._start_stream(builder)
-                started = True
             if event[0] == "keepalive":
                 self._write_event(f": keepalive {event[1]}/{event[2]}\n\n")
             elif event[0] == "delta":
@@ -575,14 +751,30 @@ def parse_size(value: str) -> int:
     return int(float(number) * base ** " KMGT".index(unit or " "))
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except an absent or empty one (the help says what it means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default in (None, "") else super()._get_help_string(action)
+
+
+def positive_float(value: str) -> float:
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return number
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="OpenAI-compatible HTTP server for an MLX language model")
+    parser = argparse.ArgumentParser(description="OpenAI-compatible HTTP server for an MLX language model",
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--model", required=True, help="Local model directory or Hugging Face repo id to serve")
     parser.add_argument("--draft-model", default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
                         help="Tokens the draft proposes per target forward (requests may override)")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: local connections only)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address to bind: 127.0.0.1 or ::1 take local connections only; an IPv6 address binds IPv6")
     parser.add_argument("--port", type=int, default=8080, help="Port to listen on (0: any free port)")
     parser.add_argument("--max-tokens", type=positive_int, default=512, help="Default maximum tokens per response")
     parser.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature")
@@ -596,7 +788,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
                         help="Memory bound of the kept prompt caches, e.g. 8GB")
     parser.add_argument("--prefill-step-size", type=positive_int, default=2048, help="Prompt tokens per prefill forward")
-    parser.add_argument("--allowed-origins", default="*", help="CORS: '*' or a comma-separated list of origins")
+    parser.add_argument("--allowed-origins", default="",
+                        help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
+                             "server, or '*' for any; requests from other pages (they carry an Origin header) "
+                             "are refused with 403, requests without one are served (default: none)")
+    parser.add_argument("--max-connections", type=positive_int, default=64,
+                        help="Open connections served at once (one thread each); more get 503 and are closed")
+    parser.add_argument("--request-timeout", type=positive_float, default=30.0,
+                        help="Seconds a connection may stay silent while the server reads (request line, headers, "
+                             "body, idle keep-alive) or blocked while it writes, before it is closed")
     parser.add_argument("--allow-other-models", action="store_true",
                         help="Let requests name other local model directories (loaded on demand, one at a time)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -617,26 +817,41 @@ def _check_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                           min_p=args.min_p, chat_template_args=args.chat_template_args)
 
 
+def _parse_origins(parser: argparse.ArgumentParser, value: str) -> List[str]:
+    """Browsers send an origin as scheme://host[:port]; anything else would never match."""
+    origins = [o.strip() for o in value.split(",") if o.strip()]
+    for origin in origins:
+        if not re.fullmatch(r"\*|null|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+", origin):
+            parser.error(f"--allowed-origins: {origin!r} is not an origin: write scheme://host[:port] "
+                         "without a path, e.g. http://localhost:3000")
+    return origins
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     defaults = _check_defaults(parser, args)
+    origins = _parse_origins(parser, args.allowed_origins)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Bind first: a busy port or a bad address is reported before a long model load.
+    try:
+        server = APIServer(args.host, args.port, defaults, origins, args.max_connections, args.request_timeout)
+    except OSError as e:
+        where = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
+        sys.exit(f"Error: cannot listen on {where}: {(e.strerror or str(e)).lower()}")
     cache_bytes = (1 << 63) if args.prompt_cache_bytes is None else args.prompt_cache_bytes
     try:
-        provider = ModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
-                                 cache_bytes, args.chat_template or None)
+        server.provider = ModelProvider(args.model, args.draft_model, args.allow_other_models,
+                                        args.prompt_cache_size, cache_bytes, args.chat_template or None)
     except (ValueError, FileNotFoundError) as e:
+        server.server_close()
         sys.exit(f"Error: {e}")
-    worker = GenerationWorker(provider, args.prefill_step_size, args.num_draft_tokens)
-    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
-    server = APIServer((args.host, args.port), provider, worker, defaults, origins)
-    threading.Thread(target=worker.run_forever, name="generation", daemon=True).start()
+    server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens)
+    threading.Thread(target=server.worker.run_forever, name="generation", daemon=True).start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s: the server has no authentication; anyone who can reach it can use it", args.host)
-    host, port = server.server_address[:2]
-    log.info("Serving %s%s on http://%s:%d", args.model,
-             f" with draft {args.draft_model}" if args.draft_model else "", host, port)
+    log.info("Serving %s%s on %s", args.model, f" with draft {args.draft_model}" if args.draft_model else "",
+             server.url)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -1,0 +1,475 @@
+"""server.py, the HTTP layer under hostile clients: cross-origin pages, malformed
+bodies, slow and idle connections, bursts, half-closed and vanished clients, IPv6,
+a busy port. Each hostile request is followed by a normal one, which must be answered
+promptly and exactly (compared with plain in-process generation), by a live process.
+
+Servers (subprocesses, shared by the module): a dense target with a dense draft and a
+hybrid (Gated DeltaNet) target with the same draft, both with small connection limits
+and timeouts so the tests run in seconds.
+"""
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from checkpoints import TINY_CONFIGS, write_checkpoint
+from server_harness import start_server
+
+from mlx_lm.generate import generate
+from mlx_lm.openai_api import ServerDefaults
+from mlx_lm.server import APIServer, setup_arg_parser
+from mlx_lm.utils import load
+
+MAX_TOKENS = 8
+TIMEOUT = 2  # --request-timeout of the test servers, seconds
+MAX_CONNECTIONS = 24
+GOOD_ORIGIN = "http://good.example"
+FLAGS = ["--max-tokens", str(MAX_TOKENS), "--request-timeout", str(TIMEOUT),
+         "--max-connections", str(MAX_CONNECTIONS), "--allowed-origins", GOOD_ORIGIN]
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("http_models")
+    return {
+        "dense": write_checkpoint(root / "dense", TINY_CONFIGS["qwen3"]),
+        "draft": write_checkpoint(root / "draft", TINY_CONFIGS["qwen3"], scale=0.45),
+        "hybrid": write_checkpoint(root / "hybrid", TINY_CONFIGS["qwen3_next"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(model_dirs, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("http_logs")
+    started = {name: start_server(name, model_dirs[name], logs / f"{name}.log", model_dirs["draft"], FLAGS)
+               for name in ("dense", "hybrid")}
+    yield started
+    for server in started.values():
+        server.process.terminate()
+        server.process.wait(timeout=30)
+
+
+@pytest.fixture(params=["dense", "hybrid"])
+def server(request, servers):
+    return servers[request.param].wait_ready()
+
+
+@pytest.fixture
+def dense(servers):
+    return servers["dense"].wait_ready()
+
+
+_references = {}
+
+
+def reference(model_dir, messages=MESSAGES, max_tokens=MAX_TOKENS):
+    """Plain greedy generation in this process."""
+    key = (model_dir, json.dumps(messages), max_tokens)
+    if key not in _references:
+        model, tokenizer = load(str(model_dir))
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        _references[key] = generate(model, tokenizer, tokens, max_tokens=max_tokens)
+    return _references[key]
+
+
+def assert_serves(server):
+    """A normal request is answered within a few seconds, exactly, by a live process."""
+    start = time.time()
+    client = server.client
+    try:
+        response = client.chat.completions.create(model="default_model", messages=MESSAGES, temperature=0,
+                                                  max_tokens=MAX_TOKENS)
+    finally:
+        client.close()
+    assert time.time() - start < 10
+    assert response.choices[0].message.content == reference(server.target_dir)
+    assert server.process.poll() is None
+
+
+def post(server, path, body, headers=None):
+    """(status, headers, decoded JSON body) of one POST on a fresh connection."""
+    connection = http.client.HTTPConnection(*server.address, timeout=30)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    connection.request("POST", path, body=data, headers=headers or {})
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, response.headers, json.loads(payload) if payload else None
+
+
+def options(server, headers):
+    connection = http.client.HTTPConnection(*server.address, timeout=30)
+    connection.request("OPTIONS", "/v1/chat/completions", headers=headers)
+    response = connection.getresponse()
+    response.read()
+    connection.close()
+    return response.status, response.headers
+
+
+def read_until_closed(sock, limit=30):
+    sock.settimeout(limit)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def proc_status(server):
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{server.process.pid}/status"))
+    return int(fields["Threads"]), int(fields["VmRSS"].split()[0]) // 1024  # threads, MiB
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Cross-origin requests.
+
+
+def test_web_pages_from_other_origins_are_refused(dense):
+    generations = dense.log().count("prompt tokens")
+    # The "simple" request a page may send without a preflight: refused before any work.
+    status, headers, body = post(dense, "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                                 {"Origin": "http://evil.example", "Content-Type": "text/plain"})
+    assert status == 403 and body["error"]["type"] == "permission_error"
+    assert "'http://evil.example'" in body["error"]["message"] and "--allowed-origins" in body["error"]["message"]
+    assert "Access-Control-Allow-Origin" not in headers
+    status, headers = options(dense, {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    assert dense.log().count("prompt tokens") == generations
+    # The listed origin is granted, by name.
+    status, headers = options(dense, {"Origin": GOOD_ORIGIN, "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "content-type"})
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == GOOD_ORIGIN
+    assert "POST" in headers["Access-Control-Allow-Methods"] and headers["Vary"] == "Origin"
+    status, headers, body = post(dense, "/v1/chat/completions", {"messages": MESSAGES, "temperature": 0},
+                                 {"Origin": GOOD_ORIGIN, "Content-Type": "application/json"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == GOOD_ORIGIN
+    assert body["choices"][0]["message"]["content"] == reference(dense.target_dir)
+    # Clients that are not web pages send no Origin and get no grant.
+    status, headers, _ = post(dense, "/v1/chat/completions", {"messages": MESSAGES})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    assert_serves(dense)
+
+
+# ---------------------------------------------------------------------------
+# Malformed requests: always a JSON error, never a dropped connection.
+
+DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+MALFORMED = [
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}, 400, "'messages[0].tool_calls'"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [5]}]}, 400, "'messages[0].tool_calls[0]'"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]}, 400,
+     "tool_calls[0].function.arguments"),
+    ({"messages": MESSAGES, "tools": [5]}, 400, "'tools[0]'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "'messages[0].content[]'"),
+    (DEEP, 400, "deeper than 64 levels"),
+    ({"messages": MESSAGES, "x": json.loads("[" * 200 + "]" * 200)}, 400, "deeper than 64 levels (at 'x[0][0]"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "'messages[0].content' is not valid Unicode"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}', 400,
+     "'messages[0].content[0].text' is not valid Unicode"),
+    (b'{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '
+     b'"{\\"a\\": \\"\\\\ud800\\"}"}}]}]}', 400, "'messages[0].tool_calls[0].function.arguments.a'"),
+    (b'{"messages": [], "seed": ' + b"1" * 5000 + b"}", 400, "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_bodies_get_json_errors(server, body, status, message):
+    got_status, headers, got = post(server, "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert got_status == status and headers["Content-Type"] == "application/json"
+    assert message in got["error"]["message"] and got["error"]["type"] == "invalid_request_error", got
+    assert_serves(server)
+
+
+def test_protocol_errors_get_json_errors_and_close(dense):
+    for raw, status in [(b"NONSENSE\r\n\r\n", 400), (b"PUT /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+                        (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411),
+                        (b"GET /health HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", 431)]:
+        sock = socket.create_connection(dense.address)
+        sock.sendall(raw)
+        reply = read_until_closed(sock)  # closed after the error: no second reading of the stream
+        sock.close()
+        head, body = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.") and int(head.split()[1]) == status, reply[:200]
+        assert json.loads(body)["error"]["code"] == status
+    assert_serves(dense)
+
+
+def test_unread_bodies_are_never_parsed_as_requests(dense):
+    """Bytes the server did not read as a body (a refused request's, or a body sent
+    to GET) must not be answered as a second, smuggled request."""
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    for head in [b"POST /v1/completions HTTP/1.1\r\nOrigin: http://evil.example\r\n",
+                 b"GET /health HTTP/1.1\r\n",
+                 b"POST /v1/completions HTTP/1.1\r\nContent-Length: 10\r\nTransfer-Encoding: chunked\r\n"]:
+        sock = socket.create_connection(dense.address)
+        length = b"" if b"Content-Length" in head else b"Content-Length: %d\r\n" % len(smuggled)
+        sock.sendall(head + length + b"Host: x\r\n\r\n" + smuggled)
+        reply = read_until_closed(sock)
+        sock.close()
+        assert reply.count(b"HTTP/1.1 ") == 1 and b'"object": "list"' not in reply, reply
+    assert_serves(dense)
+
+
+# ---------------------------------------------------------------------------
+# Slow, idle and numerous connections.
+
+
+def test_short_body_times_out_with_408(server):
+    sock = socket.create_connection(server.address)
+    start = time.time()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"messages\"")
+    reply = read_until_closed(sock, limit=TIMEOUT + 10)  # the server closes it
+    elapsed = time.time() - start
+    sock.close()
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 408") and b"--request-timeout" in body
+    assert TIMEOUT - 0.5 < elapsed < TIMEOUT + 5
+    assert_serves(server)
+
+
+def test_idle_connections_neither_pile_up_threads_nor_memory(dense):
+    assert_serves(dense)
+    time.sleep(TIMEOUT + 0.5)  # keep-alive connections of earlier tests time out
+    threads_before, rss_before = proc_status(dense)
+    # 200 connections opened and dropped at once.
+    socks = [socket.create_connection(dense.address) for _ in range(200)]
+    for sock in socks:
+        sock.close()
+    assert wait_for(lambda: proc_status(dense)[0] <= threads_before, 5)
+    # A keep-alive connection left idle after its request, and 200 held open: past the
+    # cap, a 503 JSON and a close, with no thread.
+    kept = socket.create_connection(dense.address)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+    socks = [socket.create_connection(dense.address) for _ in range(200 - 1)]
+    threads_held = proc_status(dense)[0]
+    replies = [read_until_closed(sock, limit=TIMEOUT + 10) for sock in socks]  # the held ones close on timeout
+    refused = [r for r in replies if r.startswith(b"HTTP/1.1 503")]
+    assert len(refused) == 200 - MAX_CONNECTIONS and b"--max-connections" in refused[0]
+    assert json.loads(refused[0].split(b"\r\n\r\n", 1)[1])["error"]["code"] == 503
+    assert replies.count(b"") == MAX_CONNECTIONS - 1  # idle: closed without a word
+    assert read_until_closed(kept, limit=TIMEOUT + 10) == b""
+    for sock in socks + [kept]:
+        sock.close()
+    assert threads_held <= threads_before + MAX_CONNECTIONS
+    assert wait_for(lambda: proc_status(dense)[0] <= threads_before, 5)
+    threads_after, rss_after = proc_status(dense)
+    print(f"threads {threads_before} -> {threads_held} (holding) -> {threads_after}; "
+          f"RSS {rss_before} -> {rss_after} MiB")
+    assert rss_after - rss_before < 20
+    assert_serves(dense)
+
+
+def test_burst_of_connects_waits_in_the_backlog(dense):
+    """With the server stopped, 16 connects must all complete in the kernel's accept
+    queue (with the old backlog of 5, only 6 could until the server accepted)."""
+    os.kill(dense.process.pid, signal.SIGSTOP)
+    try:
+        socks = [socket.socket() for _ in range(16)]
+        for sock in socks:
+            sock.setblocking(False)
+            sock.connect_ex(dense.address)
+
+        def connected():
+            return sum(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 and _is_connected(sock)
+                       for sock in socks)
+        assert wait_for(lambda: connected() == 16, 5), connected()
+    finally:
+        os.kill(dense.process.pid, signal.SIGCONT)
+    for sock in socks:
+        sock.setblocking(True)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    for sock in socks:
+        assert read_until_closed(sock, limit=10).startswith(b"HTTP/1.1 200")
+        sock.close()
+    assert_serves(dense)
+
+
+def _is_connected(sock):
+    try:
+        sock.getpeername()
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Clients that half-close or vanish.
+
+
+NO_EOS = {"logit_bias": {"0": -100}}  # the tiny models' EOS id: long answers run their full length
+
+
+def raw_chat(server, body):
+    data = json.dumps({"messages": MESSAGES, "temperature": 0, **body}).encode()
+    sock = socket.create_connection(server.address)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def sse_events(reply):
+    """The events of a raw streamed reply, after any interim responses."""
+    body = reply.split(b"HTTP/1.1 200 OK\r\n", 1)[1].split(b"\r\n\r\n", 1)[1]
+    return body.decode().split("\n\n")
+
+
+def test_half_closed_clients_get_their_answers(server):
+    """A client that shuts down its sending side after the request still reads the
+    answer, streamed or not. A stream outlasting --request-timeout is not cut."""
+    # Queued behind a long stream, the half-closed ones see the interim 100 probes.
+    blocker = raw_chat(server, {"max_tokens": 100_000, "stream": True, **NO_EOS})
+    start = time.time()
+    time.sleep(0.3)
+    plain = raw_chat(server, {"max_tokens": MAX_TOKENS})
+    plain.shutdown(socket.SHUT_WR)
+    streamed = raw_chat(server, {"max_tokens": MAX_TOKENS, "stream": True})
+    streamed.shutdown(socket.SHUT_WR)
+    blocker.settimeout(TIMEOUT + 10)
+    while time.time() - start < TIMEOUT + 1:
+        assert b"data: {" in blocker.recv(65536)  # still streaming past the read timeout
+    blocker.close()  # cancels it: the queue moves on
+    replies = [read_until_closed(sock) for sock in (plain, streamed)]
+    waited = time.time() - start
+    expected = reference(server.target_dir)
+    for reply in replies:
+        assert reply.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")  # the probe was exercised
+    final = replies[0].split(b"HTTP/1.1 200 OK\r\n", 1)[1]
+    assert json.loads(final.split(b"\r\n\r\n", 1)[1])["choices"][0]["message"]["content"] == expected
+    events = sse_events(replies[1])
+    chunks = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == expected
+    assert events[-2] == "data: [DONE]"
+    print(f"half-closed clients answered after {waited:.1f} s in the queue")
+    assert_serves(server)
+
+
+def test_vanished_non_streaming_client_is_cancelled(server):
+    before = server.log().count("Client disconnected; stopped after")
+    sock = raw_chat(server, {"max_tokens": 5000, **NO_EOS})
+    time.sleep(0.5)
+    closed = time.time()
+    sock.close()
+    assert wait_for(lambda: server.log().count("Client disconnected; stopped after") > before, 5)
+    noticed = time.time() - closed
+    stopped = int(re.findall(r"Client disconnected; stopped after (\d+)", server.log())[-1])
+    print(f"vanished client noticed after {noticed:.2f} s, {stopped} tokens generated")
+    assert stopped < 5000
+    assert_serves(server)
+
+
+# ---------------------------------------------------------------------------
+# Addresses, ports, names, help.
+
+
+def test_ipv6_loopback_serves_or_is_refused_before_loading(model_dirs, tmp_path):
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+        has_ipv6 = True
+    except OSError:
+        has_ipv6 = False
+    server = start_server("ipv6", model_dirs["dense"], tmp_path / "ipv6.log", flags=["--host", "::1"])
+    try:
+        if not has_ipv6:
+            assert server.process.wait(timeout=60) != 0
+            assert server.log().strip().splitlines()[-1].startswith("Error: cannot listen on [::1]:0")
+            return
+        assert wait_for(lambda: re.search(r"on http://\[::1\]:(\d+)", server.log()) or server.process.poll(), 60)
+        port = int(re.search(r"on http://\[::1\]:(\d+)", server.log()).group(1))
+        connection = http.client.HTTPConnection("::1", port, timeout=30)
+        connection.request("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "temperature": 0,
+                                                                      "max_tokens": MAX_TOKENS}))
+        response = connection.getresponse()
+        assert response.status == 200
+        assert json.loads(response.read())["choices"][0]["message"]["content"] == reference(model_dirs["dense"])
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=30)
+
+
+def test_busy_port_is_a_one_line_error_before_loading(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    # A model that does not exist: reaching the load would give another error.
+    command = [sys.executable, "-m", "mlx_lm.server", "--model", str(tmp_path / "missing"), "--port", str(port)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    taken.close()
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("[transformers]")]
+    assert done.returncode != 0
+    assert lines == [f"Error: cannot listen on 127.0.0.1:{port}: address already in use"], done.stderr
+
+
+def test_models_are_named_by_id_never_by_path(dense, model_dirs):
+    connection = http.client.HTTPConnection(*dense.address, timeout=30)
+    connection.request("GET", "/v1/models")
+    listing = connection.getresponse().read().decode()
+    assert [m["id"] for m in json.loads(listing)["data"]] == ["dense"]
+    assert str(model_dirs["dense"].parent) not in listing
+    connection.request("GET", "/v1/models/dense")
+    response = connection.getresponse()
+    assert response.status == 200 and json.loads(response.read())["id"] == "dense"
+    connection.close()
+    for name in ["dense", str(model_dirs["dense"]), "default_model"]:
+        status, _, body = post(dense, "/v1/chat/completions", {"messages": MESSAGES, "model": name})
+        assert status == 200 and body["model"] == "dense"
+    status, _, body = post(dense, "/v1/chat/completions", {"messages": MESSAGES, "model": "other"})
+    assert status == 404 and str(model_dirs["dense"].parent) not in body["error"]["message"]
+
+
+def test_help_shows_defaults():
+    text = " ".join(setup_arg_parser().format_help().split())
+    for flag, default in [("--max-connections", "64"), ("--request-timeout", "30.0"), ("--host", "127.0.0.1"),
+                          ("--port", "8080"), ("--allowed-origins", "none")]:
+        entry = text[text.rindex(flag + " "):]  # its help entry (the usage line comes first)
+        assert re.search(r"\(default: ([^)]*)\)", entry).group(1) == default, flag
+
+
+class _BrokenProvider:
+    """Fails in a way no request validation foresees."""
+
+    model_id = "broken"
+    names = {"broken"}
+
+    def resolve(self, request):
+        raise RuntimeError("an unforeseen bug")
+
+
+def test_unexpected_handler_failures_are_500_json_and_the_server_lives_on():
+    server = APIServer("127.0.0.1", 0, ServerDefaults(), [], max_connections=4, request_timeout=TIMEOUT)
+    server.provider = _BrokenProvider()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        connection = http.client.HTTPConnection(*server.server_address, timeout=30)
+        for _ in range(2):  # the server, and a new connection, still work afterwards
+            connection.request("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
+            response = connection.getresponse()
+            body = json.loads(response.read())
+            assert response.status == 500 and response.headers["Connection"] == "close"
+            assert body["error"] == {"message": "internal server error: RuntimeError: an unforeseen bug",
+                                     "type": "server_error", "param": None, "code": 500}
+            connection.close()
+    finally:
+        server.shutdown()
+        server.server_close()
