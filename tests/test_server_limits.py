@@ -130,9 +130,7 @@ def test_prompts_past_the_limit_are_refused_before_any_work(server):
     # Exactly at the limit: no room left for an answer (the context is the limit here).
     status, body = post(server, "/v1/completions", {"prompt": [11] * MAX_PROMPT_TOKENS})
     assert status == 400 and "no room for an answer" in body["error"]["message"], body
-    log = server.log()
-    assert f"Prompts of at most {limit} tokens (the server's --max-prompt-tokens)" in log
-    assert "Generation failed" not in log and "prompt tokens fed" not in log  # the worker never saw them
+    assert f"Prompts of at most {limit} tokens (the server's --max-prompt-tokens)" in server.log()
     assert still_serves_exactly(server) < 10
 
 
@@ -248,7 +246,8 @@ def test_the_model_context_limits_prompts_and_clips_answers(short_context_dir):
     provider = ModelProvider(str(short_context_dir), None, False, 10, 1 << 30, None)
     served = provider.default
     assert served.max_prompt_tokens == served.max_total_tokens == 40
-    # The served model's prompt is tokenized by make_job, on the request's thread.
+    # The served model's prompt is tokenized, and a long one refused, by make_job: on
+    # the request's thread, never reaching the worker.
     request = parse_request({"prompt": "Once upon a time"}, "text", ServerDefaults())
     assert provider.make_job(request).tokens == served.encode(request)
     worker = GenerationWorker(provider)
