@@ -21,8 +21,8 @@ Cancellation. A client that disconnects (noticed at the next write, or by pollin
 socket while waiting) has its job cancelled. The worker checks after every prefill
 step, of the target and the draft alike (the server prefills both itself, a step of
 each at a time, because `stream_generate` cannot cancel a draft prefill), and after
-every generated token; it then closes the generator and stores the cache under
-exactly the tokens it holds.
+every generated token; it then closes the generator, or stops prefilling, and stores
+the cache under exactly the tokens it holds (a retry of a long prompt resumes there).
 
 Prompt cache (`lru_prompt_cache.LRUPromptCache`). After `stream_generate` stops (EOS,
 length, a stop string or a cancel) the cache holds the prompt plus every generated
@@ -433,8 +433,15 @@ class GenerationWorker:
         prompt_cache = fetched.prompt_cache or served.make_cache()
         # Prefilled here, not by stream_generate, whose draft prefill cannot be cancelled.
         progress = self._progress(job, fetched.num_cached, len(tokens))
-        remaining = served.prefill(fetched.remaining, prompt_cache, self.prefill_step_size, progress)
         lru = served.prompt_cache
+        try:
+            remaining = served.prefill(fetched.remaining, prompt_cache, self.prefill_step_size, progress)
+        except _Cancelled as e:
+            # Both halves hold exactly the tokens fed so far: keep them, so a client that
+            # retries the prompt (after its own timeout, say) resumes rather than restarts.
+            if e.num_fed > fetched.num_cached:
+                lru.insert(tokens[: e.num_fed], prompt_cache)
+            raise
         if served.snapshot_prompts and len(tokens) > 1 and tokens[:-1] not in lru:
             lru.insert(tokens[:-1], copy_prompt_cache(prompt_cache))  # see the module docstring
         num_fed = len(tokens) - 1

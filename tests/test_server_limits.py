@@ -284,8 +284,9 @@ def test_prompt_cache_byte_budget(model_dirs, monkeypatch):
 
 def test_a_cancelled_prefill_stops_within_one_step_of_both_models(model_dirs):
     """Cancelled mid-prefill, the worker stops after the step it is in, the draft fed
-    step by step with the target (not ahead of it), and stores nothing."""
-    provider = ModelProvider(str(model_dirs["dense"]), str(model_dirs["draft"]), False, 10, 1 << 30, None)
+    step by step with the target (not ahead of it), and stores what both hold: a retry
+    resumes there and answers exactly as from scratch."""
+    provider = ModelProvider(str(model_dirs["hybrid"]), str(model_dirs["draft"]), False, 10, 1 << 30, None)
     worker = GenerationWorker(provider, prefill_step_size=4)
     served = provider.default
     num_target = len(served.model.layers)
@@ -294,14 +295,22 @@ def test_a_cancelled_prefill_stops_within_one_step_of_both_models(model_dirs):
 
     def watched_prefill(tokens, prompt_cache, step, progress):
         def watched(done, total):
-            offsets.append((done, prompt_cache[0].offset, prompt_cache[num_target].offset))
+            # The hybrid's first layer is recurrent: its full-attention layer tells the offset.
+            offsets.append((done, prompt_cache[num_target - 1].offset, prompt_cache[num_target].offset))
             if done == 48:
                 job.cancelled.set()
             progress(done, total)
         return prefill(tokens, prompt_cache, step, watched)
 
     served.prefill = watched_prefill
-    job = provider.make_job(parse_request({"prompt": LONG_PROMPT[:2000]}, "text", ServerDefaults()))
+    body = {"prompt": LONG_PROMPT[:100], "logit_bias": {"0": -100}}
+    job = provider.make_job(parse_request(body, "text", ServerDefaults()))
     worker.run(job)
-    assert job.events.empty() and len(served.prompt_cache) == 0
+    assert job.events.empty()
     assert offsets == [(done, done, done) for done in range(4, 49, 4)]
+    assert served.prompt_cache.keys() == [tuple(LONG_PROMPT[:48])]
+    del served.prefill
+    kind, resumed = run_job(worker, body, "text")
+    assert kind == "done" and resumed.cached_tokens == 48
+    fresh = GenerationWorker(ModelProvider(str(model_dirs["hybrid"]), str(model_dirs["draft"]), False, 0, 0, None))
+    assert resumed.text == run_job(fresh, body, "text")[1].text
