@@ -11,6 +11,7 @@ a fraction of a second on the tiny models.
 
 import functools
 import json
+import logging
 import re
 import socket
 import time
@@ -260,6 +261,22 @@ def test_the_model_context_limits_prompts_and_clips_answers(short_context_dir):
     # --max-prompt-tokens overrides the context, both ways.
     assert ModelProvider(str(short_context_dir), None, False, 10, 1 << 30, None, 8).default.max_total_tokens == 40
     assert ModelProvider(str(short_context_dir), None, False, 10, 1 << 30, None, 100).default.max_total_tokens == 100
+
+
+def test_a_draft_with_a_shorter_context_does_not_lower_the_limit(model_dirs, short_context_dir, caplog):
+    provider = ModelProvider(str(model_dirs["hybrid"]), str(short_context_dir), False, 10, 1 << 30, None, 100)
+    served = provider.default
+    assert served.draft_context_length == 40 and served.max_prompt_tokens == 100
+    with caplog.at_level(logging.INFO, logger="mlx_lm.server"):
+        server_module._log_limits(served, 100)
+    assert "draft model's context (40 tokens) is shorter than the prompt limit" in caplog.text
+    assert "Prompts of at most 100 tokens (the server's --max-prompt-tokens)" in caplog.text
+    # Past the draft's context the answer is still the target's own.
+    body = {"prompt": LONG_PROMPT[:60], "max_tokens": MAX_TOKENS}
+    kind, result = run_job(GenerationWorker(provider), body, "text")
+    model, tokenizer = loaded(model_dirs["hybrid"])
+    assert kind == "done" and result.prompt_tokens == 60
+    assert result.text == generate(model, tokenizer, LONG_PROMPT[:60], max_tokens=MAX_TOKENS)
 
 
 def test_prompt_cache_byte_budget(model_dirs, monkeypatch):
