@@ -72,8 +72,10 @@ class FetchResult:
 
 class LRUPromptCache:
     """At most `max_size` entries and `max_bytes` bytes of caches; the least recently
-    inserted or fetched entry is evicted first. Entries are searched linearly: a server
-    keeps a handful, and one pass over each key is cheap next to one forward."""
+    inserted or fetched entry is evicted first, and an entry larger than `max_bytes` on
+    its own is not stored (it would evict everything else and then itself). Entries
+    are searched linearly: a server keeps a handful, and one pass over each key is
+    cheap next to one forward."""
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         if max_size < 0:
@@ -83,6 +85,7 @@ class LRUPromptCache:
         self.max_size = max_size
         self.max_bytes = max_bytes
         self._entries: "OrderedDict[Tuple[int, ...], CacheEntry]" = OrderedDict()
+        self._nbytes = 0  # sum of the entries' nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,7 +95,7 @@ class LRUPromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._nbytes
 
     def keys(self) -> List[Tuple[int, ...]]:
         """Stored token sequences, least recently used first."""
@@ -123,27 +126,37 @@ class LRUPromptCache:
         trim_prompt_cache(prompt_cache, len(best_key) - best_length)
         return FetchResult(prompt_cache, tokens[best_length:], best_length)
 
-    def insert(self, tokens: Sequence[int], prompt_cache: List[Any]) -> None:
+    def insert(self, tokens: Sequence[int], prompt_cache: List[Any]) -> bool:
         """Store `prompt_cache`, which holds exactly `tokens`, taking ownership of it:
         the caller must not feed it again. A trimmable entry makes the stored entries at
-        strict prefixes of its key redundant, so they are dropped."""
+        strict prefixes of its key redundant, so they are dropped. Returns False, storing
+        nothing and dropping nothing, when the entry alone exceeds `max_bytes` or
+        `max_size` is 0."""
         key = tuple(tokens)
         if not key:
             raise ValueError("cannot store a prompt cache for an empty token sequence")
+        nbytes = sum(c.nbytes for c in prompt_cache)
+        if nbytes > self.max_bytes or self.max_size == 0:
+            return False
         trimmable = can_trim_prompt_cache(prompt_cache)
         if trimmable:
             for other in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
-                del self._entries[other]
-        nbytes = sum(c.nbytes for c in prompt_cache)
-        self._entries.pop(key, None)
+                self._remove(other)
+        if key in self._entries:
+            self._remove(key)
         self._entries[key] = CacheEntry(prompt_cache, nbytes, trimmable)
+        self._nbytes += nbytes
         self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
+        return True
+
+    def _remove(self, key: Tuple[int, ...]) -> None:
+        self._nbytes -= self._entries.pop(key).nbytes
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         """Evict least recently used entries until at most `n_sequences` entries and
         `n_bytes` bytes remain."""
         while self._entries and (
             (n_sequences is not None and len(self._entries) > n_sequences)
-            or (n_bytes is not None and self.nbytes > n_bytes)
+            or (n_bytes is not None and self._nbytes > n_bytes)
         ):
-            self._entries.popitem(last=False)
+            self._remove(next(iter(self._entries)))

@@ -27,6 +27,10 @@ MAX_NUM_DRAFT_TOKENS = 64
 MAX_CONTEXT_SIZE = 1 << 20
 # Validators, chat templates and json.dumps recurse; real requests nest a handful of levels.
 MAX_JSON_DEPTH = 64
+# Stop strings are matched against every generated token: bounded so that a request
+# cannot make that check expensive (OpenAI itself allows 4).
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
 
 class RequestError(Exception):
     """A request the server refuses: HTTP `status` with an OpenAI-style error body."""
@@ -145,6 +149,11 @@ def _stop_strings(body: dict) -> List[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise _bad("stop", "a non-empty string or a list of them", stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(400, f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_LENGTH:
+            raise RequestError(400, f"'stop[{i}]' has {len(s)} characters; at most {MAX_STOP_LENGTH} are allowed")
     return stops
 
 
@@ -297,24 +306,46 @@ def parse_request(body: Any, kind: str, defaults: ServerDefaults) -> GenerationR
 
 class StopStringFilter:
     """Streams text while holding back any tail that could begin a stop string, and
-    cuts the text before the first stop string."""
+    cuts the text before the first stop string.
+
+    Each `add` looks only at the new segment and the `longest - 1` characters before
+    it: a stop string not found earlier must end inside the segment. So the work per
+    token depends on the stop strings and the segment, never on the text so far."""
 
     def __init__(self, stops: List[str]):
         self.stops = stops
+        self.longest = max((len(s) for s in stops), default=0)
         self.text = ""
         self.sent = 0  # characters of `text` already returned
 
+    def _tail(self, start: int) -> str:
+        """text[start:], the only part of the text a call scans."""
+        return self.text[start:]
+
     def add(self, segment: str) -> Tuple[str, bool]:
         """Append `segment`; returns (text now safe to send, whether a stop string ended it)."""
+        start = max(self.sent, len(self.text) - self.longest + 1)
         self.text += segment
-        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if not self.stops:
+            return self.flush(), False
+        window = self._tail(start)
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            self.text = self.text[: start + min(hits)]
             return self.flush(), True
-        held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        end = max(self.sent, len(self.text) - held)
+        end = max(self.sent, len(self.text) - self._held(window))
         out, self.sent = self.text[self.sent : end], end
         return out, False
+
+    def _held(self, window: str) -> int:
+        """Length of the longest end of `window` that is a proper prefix of a stop string."""
+        held = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(window)), held, -1):
+                if window.endswith(s[:k]):
+                    held = k
+                    break
+        return held
 
     def flush(self) -> str:
         out, self.sent = self.text[self.sent :], len(self.text)

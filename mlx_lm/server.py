@@ -5,13 +5,25 @@ GET /v1/models, GET /health. Streaming is by server-sent events: `data: {json}` 
 a last chunk carrying finish_reason, a usage chunk when `stream_options.include_usage`,
 then `data: [DONE]`; `: keepalive <done>/<total>` comments go out during prefill.
 
-Serving. The model (and `--draft-model`) is loaded once. Request handler threads only
-parse and validate; every MLX computation runs on one worker thread that takes jobs
-from a queue, so generation is serialised and responses never interleave. A client
-that disconnects (noticed at a failed write, or while waiting by polling the socket:
-end of input may be a half-close, so it is tested with a write the client ignores)
-has its job cancelled: the worker closes the generator at the next token and stores
-the cache under exactly the tokens it holds.
+Serving. The model (and `--draft-model`) is loaded once. Request handler threads
+parse, validate and tokenize (tokenizing needs no MLX); every MLX computation runs on
+one worker thread that takes jobs from a queue, so generation is serialised and
+responses never interleave.
+
+Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
+with a 400 on the handler thread, before any model work; a text too long to fit even
+at the vocabulary's longest token per token is refused before tokenizing. Answers are
+clipped to the context left after the prompt. Stop strings are bounded in number and
+length (openai_api.py), and the prompt cache in entries and bytes (by default a
+quarter of the memory free after loading).
+
+Cancellation. A client that disconnects (noticed at a failed write, or while waiting by
+polling the socket: end of input may be a half-close, so it is tested with a write the
+client ignores) has its job cancelled. The worker checks after every prefill
+step, of the target and the draft alike (the server prefills both itself, a step of
+each at a time, because `stream_generate` cannot cancel a draft prefill), and after
+every generated token; it then closes the generator, or stops prefilling, and stores
+the cache under exactly the tokens it holds (a retry of a long prompt resumes there).
 
 Connections. The port is bound before the model loads. One thread per connection, at
 most --max-connections (past that: 503 and close); every read and write waits at most
@@ -25,11 +37,13 @@ token it returned (for speculation: target and draft alike, rollback included), 
 the cache is stored under `prompt + generated tokens`. Caches that may become
 untrimmable (recurrent ArraysCache layers, sliding-window RotatingKVCache layers) can
 only be reused through keys that are strict prefixes of a later prompt, so for them
-the worker also stores, before generating, a copy under `prompt[:-1]` (reused by an
-identical request) and one under `prompt` (reused by the next turn of a chat, whose
-prompt extends this one even when the chat template renders the answer differently
-from the generated tokens: that turn prefills only its new tokens). Reuse is exact:
-identical greedy requests give identical outputs, with or without a draft model.
+the worker also stores, after prefill, a copy under `prompt[:-1]`: it serves an
+identical request and the next turn of a chat, whose prompt extends this one even
+when the chat template renders the answer differently from the generated tokens (that
+turn prefills its new tokens plus one). A copy under the whole prompt would save that
+one token at the cost of a second copy of the cache and a one-token forward on every
+request, so there is none. Reuse is exact: identical greedy requests give identical
+outputs, with or without a draft model.
 
 Extensions to OpenAI's schema: request `num_draft_tokens`; in `usage`,
 `speculation: {num_drafted, num_accepted, num_target_forwards}` and
@@ -41,6 +55,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import queue
 import re
 import select
@@ -97,22 +112,96 @@ def _always_trimmable(entry: Any) -> bool:
     return isinstance(entry, (KVCache, QuantizedKVCache))
 
 
-class ServedModel:
-    """A loaded model (plus optional draft), its tokenizer and its prompt cache."""
+# The prompt limit of a model whose config.json names no context length.
+FALLBACK_CONTEXT_LENGTH = 32768
+# The share of free memory the prompt cache may fill by default: the rest is left for
+# the running request's own cache and activations.
+PROMPT_CACHE_MEMORY_FRACTION = 0.25
+FALLBACK_PROMPT_CACHE_BYTES = 2 << 30
 
-    def __init__(self, path: str, draft_path: Optional[str], cache_size: int, cache_bytes: int,
-                 chat_template: Optional[str] = None):
+
+def context_length(config: dict) -> Optional[int]:
+    """The context a checkpoint was trained for: `max_position_embeddings`, at the top
+    level (llama, qwen2, qwen3, qwen3_next, gpt_oss) or in `text_config` (qwen3_5,
+    qwen3_5_moe); None if the config names none."""
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def available_memory() -> Optional[int]:
+    """Bytes free for caches now: on a GPU its free memory (CUDA), or what Metal
+    recommends the GPU use of unified memory less what MLX holds (the weights);
+    otherwise the operating system's available memory. None if unknown."""
+    try:
+        info = mx.device_info()
+    except AttributeError:  # older mlx: only mx.metal.device_info, absent off macOS
+        info = {}
+    if "free_memory" in info:
+        return int(info["free_memory"])
+    if "max_recommended_working_set_size" in info:
+        return max(0, int(info["max_recommended_working_set_size"]) - mx.get_active_memory())
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_prompt_cache_bytes() -> int:
+    free = available_memory()
+    return FALLBACK_PROMPT_CACHE_BYTES if free is None else int(free * PROMPT_CACHE_MEMORY_FRACTION)
+
+
+class ServedModel:
+    """A loaded model (plus optional draft), its tokenizer and its prompt cache.
+
+    Prompt limit: `max_prompt_tokens`, by default the target's context (see
+    `context_length`). A draft with a shorter context does not lower it: every emitted
+    token is the target's, so past its context a draft only guesses worse. Requests ask
+    for at most `max_tokens`, clipped so that prompt and answer fit in the larger of the
+    context and `max_prompt_tokens` (the answer then ends with finish_reason "length").
+    `cache_bytes` None: PROMPT_CACHE_MEMORY_FRACTION of the memory free after loading."""
+
+    def __init__(self, path: str, draft_path: Optional[str], cache_size: int, cache_bytes: Optional[int],
+                 chat_template: Optional[str] = None, max_prompt_tokens: Optional[int] = None):
         from .utils import load
 
         self.name = path
-        self.model, self.tokenizer = load(path)
+        self.model, self.tokenizer, config = load(path, return_config=True)
         if chat_template:
             self.tokenizer.chat_template = chat_template
         self.draft_model = None
         self.draft_name = draft_path
+        self.draft_context_length = None
         if draft_path is not None:
-            self.draft_model, _ = load(draft_path)
+            self.draft_model, _, draft_config = load(draft_path, return_config=True)
             check_same_vocabulary(self.model, self.draft_model)
+            self.draft_context_length = context_length(draft_config)
+        self.context_length = context_length(config)
+        if max_prompt_tokens is not None:
+            self.max_prompt_tokens, self.prompt_limit_source = max_prompt_tokens, "the server's --max-prompt-tokens"
+        elif self.context_length is not None:
+            self.max_prompt_tokens = self.context_length
+            self.prompt_limit_source = "the model's context, max_position_embeddings in its config.json"
+        else:
+            self.max_prompt_tokens = FALLBACK_CONTEXT_LENGTH
+            self.prompt_limit_source = "a default: the model's config.json names no context length"
+        self.max_total_tokens = max(self.max_prompt_tokens, self.context_length or 0)
+        # A text longer than this many characters per allowed token cannot fit: refused
+        # before tokenizing. Vocabulary spellings are at least as long as the text a
+        # token covers (byte-level BPE spells each byte as one character).
+        self.longest_token_chars = max(len(t) for t in self.tokenizer.get_vocab())
+        if cache_bytes is None:
+            cache_bytes = default_prompt_cache_bytes()
         self.prompt_cache = LRUPromptCache(cache_size, cache_bytes)
         fresh = self.make_cache()
         if self.draft_model is not None:
@@ -134,47 +223,92 @@ class ServedModel:
             prompt_cache += make_prompt_cache(self.draft_model)
         return prompt_cache
 
+    def _too_long(self, size: str) -> RequestError:
+        return RequestError(400, f"the prompt has {size}; this server accepts prompts of at most "
+                                 f"{self.max_prompt_tokens} tokens ({self.prompt_limit_source}): shorten it")
+
     def encode(self, request: GenerationRequest) -> List[int]:
-        if request.kind == "text":
-            if isinstance(request.prompt, list):
-                bad = [t for t in request.prompt if t >= self.vocab_size]
-                if bad:
-                    raise RequestError(400, f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
-                return list(request.prompt)
-            tokens = self.tokenizer.encode(request.prompt)
-        else:
-            if not self.tokenizer.has_chat_template:
-                raise RequestError(400, f"{self.name} has no chat template: use /v1/completions, or start the server with --chat-template")
-            kwargs = dict(request.chat_template_kwargs)
-            if request.tools:
-                kwargs["tools"] = request.tools
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    request.messages, tokenize=False, add_generation_prompt=True, **kwargs
-                )
-            except Exception as e:  # jinja raises its own types, templates call raise_exception
-                raise RequestError(400, f"the chat template could not render these messages: {e}") from None
-            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        """The request's prompt tokens, refused (400) past the prompt limit or when they
+        leave no room for an answer. Needs no MLX, so the server calls it on the
+        request's own thread: a huge prompt never occupies the generation worker."""
+        tokens = self._tokenize(request)
         if not tokens:
             raise RequestError(400, "the prompt is empty after tokenization")
+        if len(tokens) > self.max_prompt_tokens:
+            raise self._too_long(f"{len(tokens)} tokens")
+        self.max_new_tokens(len(tokens), 1)
         return tokens
 
-    def feed(self, tokens: List[int], prompt_cache: List[Any]) -> None:
-        """Feed `tokens` to the target (and draft) in one forward."""
-        num_target = len(self.model.layers)
-        inputs = mx.array(tokens)[None]
-        self.model(inputs, cache=prompt_cache[:num_target])
-        if self.draft_model is not None:
-            self.draft_model(inputs, cache=prompt_cache[num_target:])
-        mx.eval([c.state for c in prompt_cache])
+    def _tokenize(self, request: GenerationRequest) -> List[int]:
+        if request.kind == "text" and isinstance(request.prompt, list):
+            if len(request.prompt) > self.max_prompt_tokens:  # before looking at each id
+                raise self._too_long(f"{len(request.prompt)} tokens")
+            bad = [t for t in request.prompt if t >= self.vocab_size]
+            if bad:
+                raise RequestError(400, f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+            return list(request.prompt)
+        if request.kind == "text":
+            text, kwargs = request.prompt, {}
+        else:
+            text, kwargs = self._render(request), {"add_special_tokens": False}
+        if len(text) > self.max_prompt_tokens * self.longest_token_chars:
+            raise self._too_long(f"{len(text)} characters, more than {self.max_prompt_tokens} tokens of at most "
+                                 f"{self.longest_token_chars} characters each can hold")
+        return self.tokenizer.encode(text, **kwargs)
 
-    def prefill(self, tokens: List[int], prompt_cache: List[Any], step: int, progress) -> List[int]:
-        """Feed all of `tokens` but the last to the target (and draft); return the last."""
+    def _render(self, request: GenerationRequest) -> str:
+        if not self.tokenizer.has_chat_template:
+            raise RequestError(400, f"{self.name} has no chat template: use /v1/completions, or start the server with --chat-template")
+        kwargs = dict(request.chat_template_kwargs)
+        if request.tools:
+            kwargs["tools"] = request.tools
+        try:
+            return self.tokenizer.apply_chat_template(
+                request.messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # jinja raises its own types, templates call raise_exception
+            raise RequestError(400, f"the chat template could not render these messages: {e}") from None
+
+    def max_new_tokens(self, num_prompt: int, requested: int) -> int:
+        """`requested`, clipped to the room the context leaves after the prompt."""
+        room = self.max_total_tokens - num_prompt
+        if room < 1:
+            raise RequestError(400, f"the prompt's {num_prompt} tokens fill this server's context of "
+                                    f"{self.max_total_tokens} tokens and leave no room for an answer: shorten it")
+        return min(requested, room)
+
+    def prefill(self, tokens: List[int], prompt_cache: List[Any], step: int,
+                progress: Callable[[int, int], None]) -> List[int]:
+        """Feed all of `tokens` but the last to the target and the draft, `step` tokens
+        at a time and each step to both, calling `progress(done, total)` after each
+        (it may raise to cancel); returns the last token. Same chunks as
+        `generate.prefill`, so the caches are the ones `stream_generate` would build."""
         num_target = len(self.model.layers)
-        prompt = mx.array(tokens)
+        parts = [(self.model, prompt_cache[:num_target])]
         if self.draft_model is not None:
-            prefill(self.draft_model, prompt, prompt_cache[num_target:], step, lambda done, total: None)
-        return prefill(self.model, prompt, prompt_cache[:num_target], step, progress).tolist()
+            parts.append((self.draft_model, prompt_cache[num_target:]))
+        prompt = mx.array(tokens)
+        for start in range(0, len(tokens) - 1, step):
+            end = min(start + step, len(tokens) - 1)
+            for model, cache in parts:
+                # generate.prefill feeds all it is given but the last: tokens[start:end].
+                prefill(model, prompt[start : end + 1], cache, step, lambda done, total: None)
+            progress(end, len(tokens))
+        return tokens[-1:]
+
+
+class Job:
+    """One request on its way through the worker. `events` carries, in order:
+    ("keepalive", done, total)* and ("delta", text, [TokenLogprob])* (streams only),
+    then ("done", GenerationResult) or ("error", status, message). `tokens`: the
+    prompt, if already tokenized (and checked against the prompt limit)."""
+
+    def __init__(self, request: GenerationRequest, model_key: Optional[str], tokens: Optional[List[int]] = None):
+        self.request = request
+        self.model_key = model_key
+        self.tokens = tokens
+        self.events: "queue.Queue[tuple]" = queue.Queue()
+        self.cancelled = threading.Event()
 
 
 def model_id(path: str) -> str:
@@ -190,8 +324,9 @@ class ModelProvider:
     the previous such model (never downloaded; no draft model)."""
 
     def __init__(self, model_path: str, draft_path: Optional[str], allow_other_models: bool,
-                 cache_size: int, cache_bytes: int, chat_template: Optional[str]):
-        self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template)
+                 cache_size: int, cache_bytes: Optional[int], chat_template: Optional[str],
+                 max_prompt_tokens: Optional[int] = None):
+        self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template, max_prompt_tokens)
         self.model_id = model_id(model_path)
         self.names = {model_path, self.model_id, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
                       DEFAULT_MODEL_NAME}
@@ -200,6 +335,7 @@ class ModelProvider:
             self.draft_names |= {draft_path, Path(draft_path).name, str(Path(draft_path).expanduser().resolve())}
         self.allow_other_models = allow_other_models
         self.cache_size, self.cache_bytes, self.chat_template = cache_size, cache_bytes, chat_template
+        self.max_prompt_tokens = max_prompt_tokens
         self.other: Optional[ServedModel] = None  # touched by the worker only
 
     def resolve(self, request: GenerationRequest) -> Optional[str]:
@@ -228,26 +364,25 @@ class ModelProvider:
             self.other = None  # free the previous one before loading
             log.info("Loading %s", key)
             try:
-                self.other = ServedModel(key, None, self.cache_size, self.cache_bytes, self.chat_template)
+                self.other = ServedModel(key, None, self.cache_size, self.cache_bytes, self.chat_template,
+                                         self.max_prompt_tokens)
             except (ValueError, FileNotFoundError) as e:
                 raise RequestError(400, f"could not load model {key!r}: {e}") from None
         return self.other
 
-
-class Job:
-    """One request on its way through the worker. `events` carries, in order:
-    ("keepalive", done, total)* and ("delta", text, [TokenLogprob])* (streams only),
-    then ("done", GenerationResult) or ("error", status, message)."""
-
-    def __init__(self, request: GenerationRequest, model_key: Optional[str]):
-        self.request = request
-        self.model_key = model_key
-        self.events: "queue.Queue[tuple]" = queue.Queue()
-        self.cancelled = threading.Event()
+    def make_job(self, request: GenerationRequest) -> Job:
+        """Resolve the model and, for the served one, tokenize on the calling (request)
+        thread; another model's prompt is tokenized by the worker once it is loaded."""
+        key = self.resolve(request)
+        return Job(request, key, self.default.encode(request) if key is None else None)
 
 
 class _Cancelled(Exception):
-    """The client went away during prefill."""
+    """The client went away during prefill, after `num_fed` of `total` prompt tokens."""
+
+    def __init__(self, num_fed: int, total: int):
+        super().__init__(num_fed, total)
+        self.num_fed, self.total = num_fed, total
 
 
 class GenerationWorker:
@@ -268,13 +403,15 @@ class GenerationWorker:
 
     def run(self, job: Job) -> None:
         if job.cancelled.is_set():
+            log.info("Client disconnected while queued; request dropped")
             return
         try:
             job.events.put(("done", self.generate(job)))
         except RequestError as e:
             job.events.put(("error", e.status, e.message))
-        except _Cancelled:
-            log.info("Client disconnected during prefill; request dropped")
+        except _Cancelled as e:
+            log.info("Client disconnected during prefill (%d of %d prompt tokens fed); request dropped",
+                     e.num_fed, e.total)
         except Exception as e:  # the server stays up; the client learns why
             log.exception("Generation failed")
             job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
@@ -294,46 +431,38 @@ class GenerationWorker:
         """Prefill callback: keepalives for streams, and the cancel check."""
         def progress(done: int, _: int) -> None:
             if job.cancelled.is_set():
-                raise _Cancelled()
+                raise _Cancelled(num_fed + done, total)
             if job.request.stream:
                 job.events.put(("keepalive", num_fed + done, total))
 
         return progress
-
-    def _store_prompt(self, served: ServedModel, job: Job, tokens: List[int], remaining: List[int],
-                      prompt_cache: List[Any], num_cached: int) -> List[int]:
-        """For caches that may not trim: prefill all prompt tokens but the last and store
-        the cache there (for an identical request) and, fed the last token on a copy,
-        at the whole prompt (for a next turn extending it: it then prefills only its
-        new tokens). The copy costs one extra single-token forward. Returns the tokens
-        still to feed."""
-        if len(remaining) > 1:
-            progress = self._progress(job, num_cached, len(tokens))
-            remaining = served.prefill(remaining, prompt_cache, self.prefill_step_size, progress)
-        lru = served.prompt_cache
-        if len(tokens) > 1 and tokens[:-1] not in lru:
-            lru.insert(tokens[:-1], copy_prompt_cache(prompt_cache))
-        if tokens not in lru:
-            whole = copy_prompt_cache(prompt_cache)
-            served.feed(remaining, whole)
-            lru.insert(tokens, whole)
-        return remaining
 
     def generate(self, job: Job) -> GenerationResult:
         request = job.request
         served = self.provider.get(job.model_key)
         if request.num_draft_tokens is not None and served.draft_model is None:
             raise RequestError(400, "num_draft_tokens needs a server started with --draft-model")
-        tokens = served.encode(request)
+        tokens = job.tokens if job.tokens is not None else served.encode(request)
+        max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
         if request.seed is not None:
             mx.random.seed(request.seed % (1 << 64))
         fetched = served.prompt_cache.fetch(tokens)
         prompt_cache = fetched.prompt_cache or served.make_cache()
-        remaining = fetched.remaining
-        if served.snapshot_prompts:
-            remaining = self._store_prompt(served, job, tokens, remaining, prompt_cache, fetched.num_cached)
-        num_fed = len(tokens) - len(remaining)
+        # Prefilled here, not by stream_generate, whose draft prefill cannot be cancelled.
+        progress = self._progress(job, fetched.num_cached, len(tokens))
+        lru = served.prompt_cache
+        try:
+            remaining = served.prefill(fetched.remaining, prompt_cache, self.prefill_step_size, progress)
+        except _Cancelled as e:
+            # Both halves hold exactly the tokens fed so far: keep them, so a client that
+            # retries the prompt (after its own timeout, say) resumes rather than restarts.
+            if e.num_fed > fetched.num_cached:
+                lru.insert(tokens[: e.num_fed], prompt_cache)
+            raise
+        if served.snapshot_prompts and len(tokens) > 1 and tokens[:-1] not in lru:
+            lru.insert(tokens[:-1], copy_prompt_cache(prompt_cache))  # see the module docstring
+        num_fed = len(tokens) - 1
         if processors and num_fed:
             # The generator sees only the tokens it is fed; penalties must also see the
             # part of the prompt already in the cache.
@@ -344,7 +473,7 @@ class GenerationWorker:
             kwargs = dict(draft_model=served.draft_model,
                           num_draft_tokens=request.num_draft_tokens or self.default_num_draft_tokens)
         responses = stream_generate(
-            served.model, served.tokenizer, mx.array(remaining), request.max_tokens,
+            served.model, served.tokenizer, mx.array(remaining), max_tokens,
             sampler=sampler, logits_processors=processors, prompt_cache=prompt_cache,
             prefill_step_size=self.prefill_step_size,
             prompt_progress_callback=self._progress(job, num_fed, len(tokens)), **kwargs,
@@ -648,7 +777,7 @@ class APIHandler(BaseHTTPRequestHandler):
         if kind is None:
             raise RequestError(404, f"no such endpoint: POST {self.path}")
         request = parse_request(body, kind, self.server.defaults)
-        job = Job(request, self.server.provider.resolve(request))
+        job = self.server.provider.make_job(request)  # tokenizes here, not on the worker
         self.server.worker.submit(job)
         name = self.server.provider.model_id if job.model_key is None else model_id(job.model_key)
         builder = ResponseBuilder(request, name)
@@ -786,7 +915,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="JSON object of chat template arguments (requests' chat_template_kwargs override it)")
     parser.add_argument("--prompt-cache-size", type=int, default=10, help="Prompt caches kept for reuse (0: none)")
     parser.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
-                        help="Memory bound of the kept prompt caches, e.g. 8GB")
+                        help="Memory bound of the kept prompt caches, e.g. 8GB "
+                             f"(default: {PROMPT_CACHE_MEMORY_FRACTION * 100:.0f}%% of the memory free after loading)")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                        help="Refuse longer prompts (default: the model's context, max_position_embeddings)")
     parser.add_argument("--prefill-step-size", type=positive_int, default=2048, help="Prompt tokens per prefill forward")
     parser.add_argument("--allowed-origins", default="",
                         help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
@@ -827,6 +959,19 @@ def _parse_origins(parser: argparse.ArgumentParser, value: str) -> List[str]:
     return origins
 
 
+def _log_limits(served: ServedModel, max_prompt_tokens: Optional[int]) -> None:
+    log.info("Prompts of at most %d tokens (%s); answers clipped to a total of %d tokens", served.max_prompt_tokens,
+             served.prompt_limit_source, served.max_total_tokens)
+    if served.context_length is None and max_prompt_tokens is None:
+        log.warning("%s names no max_position_embeddings: set --max-prompt-tokens to its context", served.name)
+    if served.draft_context_length is not None and served.draft_context_length < served.max_prompt_tokens:
+        log.warning("The draft model's context (%d tokens) is shorter than the prompt limit: past it, its drafts "
+                    "are accepted less often (answers stay exact)", served.draft_context_length)
+    lru = served.prompt_cache
+    log.info("Prompt cache: at most %d entries and %.2f GB (--prompt-cache-size, --prompt-cache-bytes)",
+             lru.max_size, lru.max_bytes / 1e9)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -839,13 +984,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     except OSError as e:
         where = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
         sys.exit(f"Error: cannot listen on {where}: {(e.strerror or str(e)).lower()}")
-    cache_bytes = (1 << 63) if args.prompt_cache_bytes is None else args.prompt_cache_bytes
     try:
         server.provider = ModelProvider(args.model, args.draft_model, args.allow_other_models,
-                                        args.prompt_cache_size, cache_bytes, args.chat_template or None)
+                                        args.prompt_cache_size, args.prompt_cache_bytes, args.chat_template or None,
+                                        args.max_prompt_tokens)
     except (ValueError, FileNotFoundError) as e:
         server.server_close()
         sys.exit(f"Error: {e}")
+    _log_limits(server.provider.default, args.max_prompt_tokens)
     server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens)
     threading.Thread(target=server.worker.run_forever, name="generation", daemon=True).start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):

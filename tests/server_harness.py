@@ -22,6 +22,14 @@ def start_server(name, model_dir, log_path, draft_dir=None, flags=()):
     return Server(name, process, log_path, model_dir, draft_dir)
 
 
+def stop_all(servers):
+    """Terminate every server, then wait for each (they stop in parallel)."""
+    for server in servers:
+        server.process.terminate()
+    for server in servers:
+        server.process.wait(timeout=30)
+
+
 class Server:
     def __init__(self, name, process, log_path, target_dir, draft_dir):
         self.name, self.process, self.log_path = name, process, log_path

@@ -193,6 +193,28 @@ def test_lru_eviction_by_count_and_bytes():
     assert LRUPromptCache(max_size=0).fetch([1]).prompt_cache is None
 
 
+def test_an_entry_larger_than_the_byte_budget_is_not_stored():
+    def nbytes(entry):
+        return sum(c.nbytes for c in entry)
+
+    one_entry = nbytes(kv_entry(1))  # KV buffers grow in blocks of 256 rows
+    lru = LRUPromptCache(max_bytes=4 * one_entry)
+    lru.insert([1], kv_entry(1))
+    lru.insert([5, 6], hybrid_entry(2))
+    before = lru.keys()
+    # Too big alone: refused without evicting anything, not even the prefix it extends.
+    huge = kv_entry(1200)
+    assert nbytes(huge) > lru.max_bytes and not lru.insert([1, 2], huge)
+    assert lru.keys() == before and lru.nbytes == one_entry + nbytes(hybrid_entry(2))
+    assert lru.insert([9], kv_entry(1)) and lru.keys() == before + [(9,)]
+    # The running byte count follows replacements, prefix drops and evictions.
+    lru.insert([9], kv_entry(1))
+    lru.insert([1, 2], kv_entry(2))  # trimmable: drops its prefix [1]
+    assert sorted(lru.keys()) == [(1, 2), (5, 6), (9,)]
+    assert lru.nbytes == sum(nbytes(e.prompt_cache) for e in lru._entries.values())
+    assert not LRUPromptCache(max_size=0).insert([1], kv_entry(1))
+
+
 def continue_greedy(model, prompt_cache, tokens, num_tokens=6):
     steps = generate_step(mx.array(tokens), model, max_tokens=num_tokens, prompt_cache=prompt_cache)
     return [token for token, _ in steps]

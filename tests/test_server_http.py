@@ -455,7 +455,7 @@ class _BrokenProvider:
     model_id = "broken"
     names = {"broken"}
 
-    def resolve(self, request):
+    def make_job(self, request):
         raise RuntimeError("an unforeseen bug")
 
 
