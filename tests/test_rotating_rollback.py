@@ -110,3 +110,130 @@ def test_not_speculating_uses_plain_trim():
     fresh = RotatingKVCache(8)
     fresh.update_and_fetch(*rows(5, 0))
     assert fresh.is_trimmable() and fresh.trim(2) == 2 and fresh.offset == 3
+
+
+def fed_tokens(chunks, num_tokens, max_size=4, keep=0):
+    """A prefilled cache fed the first num_tokens of `chunks`, in the same chunks (the
+    last one cut short), as plain decoding would have fed them."""
+    cache = prefilled(max_size, keep)
+    for k, v in chunks:
+        if num_tokens <= 0:
+            break
+        take = min(num_tokens, k.shape[2])
+        cache.update_and_fetch(k[..., :take, :], v[..., :take, :])
+        num_tokens -= take
+    return cache
+
+
+def assert_rewinds_like_feeding(chunks, max_size, keep, trims):
+    """Speculate over `chunks`, then trim by each of `trims` in turn; after every trim
+    the cache equals one fed only the tokens still held, and continues identically."""
+    cache = prefilled(max_size, keep)
+    cache.start_speculation(rollback_window=64)
+    for k, v in chunks:
+        cache.update_and_fetch(k, v)
+    held = sum(k.shape[2] for k, _ in chunks)
+    for n in trims:
+        assert cache.trim(n) == n
+        held -= n
+        reference = fed_tokens(chunks, held, max_size, keep)
+        assert_same_cache(cache, reference)
+        assert cache.empty() == reference.empty()
+    for a, b in zip(next_output(cache), next_output(reference)):
+        assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("keep", [0, 1])
+@pytest.mark.parametrize("num_steps", [1, 3, 8])
+def test_single_token_writes_that_wrap_roll_back_exactly(num_steps, keep):
+    """Draft-style steps on a full ring (8 steps lap a 4-slot ring twice), rolled back
+    by every amount at once and one token at a time."""
+    chunks = [rows(1, 30 + i) for i in range(num_steps)]
+    for n in range(num_steps + 1):
+        assert_rewinds_like_feeding(chunks, 4, keep, [n])
+    assert_rewinds_like_feeding(chunks, 4, keep, [1] * num_steps)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2])
+@pytest.mark.parametrize("pattern", [(3,), (2, 1, 5), (1, 6, 1, 1, 2), (9, 2)])
+def test_mixed_writes_crossing_the_window_roll_back_exactly(pattern, keep):
+    """Multi-token updates that cross (and exceed) the window, stacked with single-token
+    ones, rolled back by every amount, and in single steps through partly undone records
+    (whose shorter prefix was re-appended)."""
+    chunks = [rows(num, 40 + i) for i, num in enumerate(pattern)]
+    total = sum(pattern)
+    for n in range(total + 1):
+        assert_rewinds_like_feeding(chunks, 5, keep, [n])
+    assert_rewinds_like_feeding(chunks, 5, keep, [1] * total)
+    assert_rewinds_like_feeding(chunks, 5, keep, [2, 1, total - 3] if total > 3 else [total])
+
+
+def test_rollback_from_a_fresh_cache_leaves_it_empty():
+    cache = RotatingKVCache(4)
+    cache.start_speculation()
+    cache.update_and_fetch(*rows(3, 0))
+    cache.update_and_fetch(*rows(1, 1))
+    assert cache.trim(4) == 4
+    assert cache.empty() and cache.offset == 0 and cache.state == []
+
+
+def test_stacked_records_up_to_the_rollback_window():
+    cache = prefilled(keep=1)
+    cache.start_speculation(rollback_window=6)
+    chunks = [rows(2, 50), *(rows(1, 51 + i) for i in range(5))]
+    for chunk in chunks:
+        cache.update_and_fetch(*chunk)
+    # 7 tokens written; the 2-token record is kept while the newer ones cover < 6.
+    assert cache._rollbacks.num_tokens == 7
+    assert cache.trim(6) == 6
+    assert_same_cache(cache, fed_tokens(chunks, 1, keep=1))
+    with pytest.raises(RuntimeError, match="Cannot roll back 2 tokens: only 1"):
+        cache.trim(2)
+    assert_same_cache(cache, fed_tokens(chunks, 1, keep=1))  # a refused trim changes nothing
+
+
+def test_stop_speculation_leaves_a_clean_cache():
+    cache, reference = prefilled(), prefilled()
+    cache.start_speculation()
+    for i in range(3):
+        cache.update_and_fetch(*rows(1, 60 + i))
+    cache.trim(1)
+    cache.stop_speculation()
+    for i in range(2):
+        reference.update_and_fetch(*rows(1, 60 + i))
+    assert cache._rollbacks is None and not cache.is_trimmable()
+    assert_same_cache(cache, reference)
+    for seed in (70, 71):  # plain writes afterwards, unrecorded
+        for a, b in zip(next_output(cache, seed), next_output(reference, seed)):
+            assert mx.array_equal(a, b)
+    assert cache._rollbacks is None
+
+
+# --- end to end: draft models whose own sliding windows roll back every round ------------
+
+
+@pytest.mark.parametrize(
+    "target_name, draft_name, max_kv_size",
+    [
+        ("gpt_oss_tf5", "gpt_oss_tf4", None),  # both gpt-oss: sliding layers, window 8
+        ("llama_tf4", "qwen3_tf5", 12),  # every layer of both a ring of 12 (4 sinks)
+    ],
+)
+def test_greedy_speculation_with_rotating_drafts_equals_plain(target_name, draft_name, max_kv_size):
+    """Single-token draft writes past the wrap are undone every round (a different random
+    draft disagrees often), and the verify chunks cross the window."""
+    from conftest import FIXTURES
+
+    from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
+    from mlx_lm.utils import load_model
+
+    target, draft = load_model(FIXTURES / target_name)[0], load_model(FIXTURES / draft_name)[0]
+    prompt = mx.array([(i * 37 + 11) % 256 for i in range(20)])
+    want = [t for t, _ in generate_step(prompt, target, max_tokens=30, max_kv_size=max_kv_size)]
+    for k in (1, 3, 6):
+        stats = SpeculationStats()
+        out = speculative_generate_step(
+            prompt, target, draft, num_draft_tokens=k, max_tokens=30, max_kv_size=max_kv_size, stats=stats
+        )
+        assert [t for t, _, _ in out] == want, f"k={k}"
+        assert stats.num_accepted < stats.num_drafted / 2  # mostly rolled back
