@@ -1,5 +1,9 @@
 """Exact rollback of a RotatingKVCache while speculating, also past the wrap."""
 
+import functools
+import gc
+import inspect
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -207,6 +211,91 @@ def test_stop_speculation_leaves_a_clean_cache():
         for a, b in zip(next_output(cache, seed), next_output(reference, seed)):
             assert mx.array_equal(a, b)
     assert cache._rollbacks is None
+
+
+# --- what speculating costs: records hold what a write destroys, never the window ---------
+
+
+def arrays_held_by_records(cache):
+    """The distinct arrays the rollback log keeps alive, found through closures, partials,
+    bound methods and object attributes, but not through the cache itself (every design
+    holds the cache's current buffers)."""
+    found, seen, todo = {}, set(), [cache._rollbacks.records]
+    while todo:
+        obj = todo.pop()
+        if obj is cache or id(obj) in seen or inspect.ismodule(obj) or inspect.isclass(obj):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            found[id(obj)] = obj
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, functools.partial):
+            todo += [obj.func, obj.args, obj.keywords]
+        elif inspect.ismethod(obj):
+            todo.append(obj.__self__)
+        elif inspect.isfunction(obj):
+            todo.extend(cell.cell_contents for cell in obj.__closure__ or ())
+        elif hasattr(obj, "__dict__"):
+            todo.append(vars(obj))
+    return list(found.values())
+
+
+BIG_WINDOW, BIG_H, BIG_D = 512, 4, 32
+
+
+def big_rows(num_tokens, seed):
+    keys, values = (mx.random.normal((1, BIG_H, num_tokens, BIG_D), key=mx.random.key(seed + i)) for i in (0, 1))
+    mx.eval(keys, values)
+    return keys, values
+
+
+def wrapped_big_cache():
+    cache = RotatingKVCache(BIG_WINDOW, keep=4)
+    cache.update_and_fetch(*big_rows(BIG_WINDOW + 3, 0))
+    for i in range(3):
+        cache.update_and_fetch(*big_rows(1, 1 + i))
+    mx.eval(cache.keys, cache.values)
+    return cache
+
+
+def test_records_hold_only_what_writes_destroy():
+    """Retained bytes are O(tokens written x bytes per token), not O(window): the old log
+    kept the whole pre-write window per record."""
+    token_bytes = 2 * BIG_H * BIG_D * 4  # keys and values of one token, fp32
+    cache = wrapped_big_cache()
+    cache.start_speculation(rollback_window=8)
+    for i in range(8):
+        cache.update_and_fetch(*big_rows(1, 10 + i))
+    held = arrays_held_by_records(cache)
+    assert sum(a.nbytes for a in held) <= 8 * token_bytes
+    cache.update_and_fetch(*big_rows(5, 20))  # a verify chunk crossing the window
+    held = arrays_held_by_records(cache)
+    # the chunk's own 5 tokens and the 5 it evicted, plus what the window still keeps
+    assert sum(a.nbytes for a in held) <= (5 + 5 + 8) * token_bytes
+
+
+def test_speculative_single_token_writes_are_in_place():
+    """No write copies the window: peak memory over 16 recorded draft steps grows by the
+    saved rows only (a copy of either buffer would add a whole buffer)."""
+    cache = wrapped_big_cache()
+    steps = [big_rows(1, 30 + i) for i in range(16)]
+    buffer_bytes = cache.keys.nbytes
+    cache.start_speculation(rollback_window=8)
+    gc.collect()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for step in steps:
+        out = cache.update_and_fetch(*step)
+        mx.eval(out)
+    del out
+    assert mx.get_peak_memory() - base < buffer_bytes / 4
+    assert cache.trim(8) == 8  # and the restore writes back in place too
+    mx.eval(cache.keys, cache.values)
+    assert mx.get_peak_memory() - base < buffer_bytes / 4
 
 
 # --- end to end: draft models whose own sliding windows roll back every round ------------
