@@ -213,6 +213,76 @@ def test_stop_speculation_leaves_a_clean_cache():
     assert cache._rollbacks is None
 
 
+@pytest.mark.parametrize("lookahead", [1, 3, 32])
+@pytest.mark.parametrize("keep", [0, 2])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_writes_and_trims_equal_feeding(seed, keep, lookahead, monkeypatch):
+    """Random single- and multi-token writes and trims (often below where the rows for
+    the next writes were copied ahead, then different tokens) on a 9-slot ring: after
+    every step the cache equals one fed the tokens it holds, in the same chunks."""
+    monkeypatch.setattr(RotatingKVCache, "lookahead", lookahead)
+    rng = np.random.default_rng(seed)
+    max_size = 9
+    cache = RotatingKVCache(max_size, keep=keep)
+    cache.update_and_fetch(*rows(11, 1000 + seed))
+    cache.start_speculation(rollback_window=64)
+    held = [rows(11, 1000 + seed)]  # the chunks the cache holds, as a plain run fed them
+    for step in range(60):
+        recorded = cache._rollbacks.num_tokens
+        if recorded and rng.random() < 0.3:
+            n = int(rng.integers(1, recorded + 1))
+            assert cache.trim(n) == n
+            while n:
+                k, v = held.pop()
+                if k.shape[2] > n:
+                    held.append((k[..., : k.shape[2] - n, :], v[..., : v.shape[2] - n, :]))
+                n -= min(n, k.shape[2])
+        else:
+            chunk = rows(1 if rng.random() < 0.7 else int(rng.integers(2, 13)), 2000 + step)
+            cache.update_and_fetch(*chunk)
+            held.append(chunk)
+        reference = RotatingKVCache(max_size, keep=keep)
+        for chunk in held:
+            reference.update_and_fetch(*chunk)
+        assert_same_cache(cache, reference)
+
+
+@pytest.mark.parametrize(
+    "prefill, script",
+    [
+        # the block is copied at offset 12 (positions 3..11); a trim to 11, then 3 new
+        # tokens rewrite position 11, which the write at offset 20 destroys
+        (9, [("write", 3), ("write", 1), ("trim", 2), ("write", 3)] + [("write", 1)] * 7 + [("trim", 1)] * 8),
+        # back before the first wrap: unevicting single writes rewrite positions 0..8,
+        # the block (copied at offset 9) still holds the old ones
+        (0, [("write", 9), ("write", 1), ("trim", 10)] + [("write", 1)] * 11 + [("trim", 1)] * 3),
+    ],
+)
+def test_rows_copied_ahead_are_dropped_once_their_positions_can_change(prefill, script):
+    cache = RotatingKVCache(9)
+    held = [rows(prefill, 3000)] if prefill else []
+    for chunk in held:
+        cache.update_and_fetch(*chunk)
+    cache.start_speculation()
+    for step, (op, n) in enumerate(script):
+        if op == "write":
+            chunk = rows(n, 3100 + step)
+            cache.update_and_fetch(*chunk)
+            held += [(chunk[0][..., i : i + 1, :], chunk[1][..., i : i + 1, :]) for i in range(n)]
+        else:
+            cache.trim(n)
+            del held[len(held) - n :]
+        # Fed token by token the ring is laid out differently: compare rows by position.
+        reference = RotatingKVCache(9)
+        for chunk in held:
+            reference.update_and_fetch(*chunk)
+        assert cache.offset == reference.offset and cache.empty() == reference.empty()
+        if reference.empty():
+            continue
+        for ours, theirs in ((cache.keys, reference.keys), (cache.values, reference.values)):
+            assert mx.array_equal(cache._temporal_order(ours), reference._temporal_order(theirs)), f"step {step}"
+
+
 # --- what speculating costs: records hold what a write destroys, never the window ---------
 
 
@@ -273,8 +343,8 @@ def test_records_hold_only_what_writes_destroy():
     assert sum(a.nbytes for a in held) <= 8 * token_bytes
     cache.update_and_fetch(*big_rows(5, 20))  # a verify chunk crossing the window
     held = arrays_held_by_records(cache)
-    # the chunk's own 5 tokens and the 5 it evicted, plus what the window still keeps
-    assert sum(a.nbytes for a in held) <= (5 + 5 + 8) * token_bytes
+    # the chunk's own 5 tokens and the 5 it evicted, plus the 7 newest single-token rows
+    assert sum(a.nbytes for a in held) <= (5 + 5 + 7) * token_bytes
 
 
 def test_speculative_single_token_writes_are_in_place():
@@ -296,6 +366,13 @@ def test_speculative_single_token_writes_are_in_place():
     assert cache.trim(8) == 8  # and the restore writes back in place too
     mx.eval(cache.keys, cache.values)
     assert mx.get_peak_memory() - base < buffer_bytes / 4
+    # What the log keeps alive, views' buffers included: the 8 recorded rows' block(s).
+    retained = mx.get_active_memory()
+    cache.stop_speculation()
+    gc.collect()
+    retained -= mx.get_active_memory()
+    token_bytes = 2 * BIG_H * BIG_D * 4
+    assert 0 < retained <= 2 * RotatingKVCache.lookahead * token_bytes
 
 
 # --- end to end: draft models whose own sliding windows roll back every round ------------

@@ -220,11 +220,13 @@ class _RotatingWrite:
 
     It keeps only what the update destroys: the cache's `offset` and write index `idx`
     before it, and copies of the rows it overwrote or evicted (`old_keys`/`old_values`,
-    the oldest non-sink rows then, oldest first; None if none), plus, for a multi-token
-    update, its own rows (`keys`/`values`) so that a prefix can be re-appended. So a
-    record costs O(tokens written), never the window, and nothing but the cache holds
-    the ring buffers, which MLX can then update in place. `num_applied`: how many of the
-    update's tokens the cache holds now (fewer after a partial rewind).
+    the oldest non-sink rows then, oldest first; None if none; for a single token a row
+    of the block copied ahead, see RotatingKVCache._next_overwritten), plus, for a
+    multi-token update, its own rows (`keys`/`values`) so that a prefix can be
+    re-appended. So records cost O(tokens written + lookahead) rows, never the window,
+    and nothing but the cache holds the ring buffers, which MLX then updates in place.
+    `num_applied`: how many of the update's tokens the cache holds now (fewer after a
+    partial rewind).
     """
 
     def __init__(self, cache: "RotatingKVCache", num_tokens: int, old_rows, new_rows):
@@ -249,7 +251,12 @@ class RotatingKVCache(_BaseCache):
     """
 
     step = 256
+    lookahead = 32  # rows copied per wait while speculating (see _next_overwritten)
     _rollbacks: Optional[RollbackLog] = None  # set while speculating
+    # While speculating: copies of the rows that the writes at offsets _ahead_from,
+    # _ahead_from + 1, ... destroy, as (keys, values) (see _next_overwritten).
+    _ahead_from = 0
+    _ahead_rows: Optional[Tuple[mx.array, mx.array]] = None
 
     def __init__(self, max_size: int, keep: int = 0):
         if not 0 <= keep < max_size:
@@ -329,18 +336,39 @@ class RotatingKVCache(_BaseCache):
         """Copy the rows this update will destroy, before it runs."""
         num_new = keys.shape[2]
         num_evicted = self._num_evicted(self.size(), num_new)
+        if num_new == 1:
+            # A single token is never partly undone, so its own rows are not needed.
+            old_rows = self._next_overwritten() if num_evicted else (None, None)
+            return _RotatingWrite(self, num_new, old_rows, (None, None))
         old_rows = (None, None)
         if num_evicted:
-            at = mx.array(self._oldest_slots(num_evicted))
             # A gather allocates its own rows (a slice would be a view pinning the whole
-            # buffer). MLX writes a buffer in place only if nothing else holds it when
-            # the write is scheduled, a pending read included, so a single-token write
-            # must wait for the copy; a multi-token update concatenates anyway.
-            old_rows = (mx.take(self.keys, at, axis=2), mx.take(self.values, at, axis=2))
-            (mx.eval if num_new == 1 else mx.async_eval)(*old_rows)
-        # A single token is never partly undone, so its own rows are not needed.
-        new_rows = (keys, values) if num_new > 1 else (None, None)
-        return _RotatingWrite(self, num_new, old_rows, new_rows)
+            # buffer). Queue it now so the old buffer is freed once it has run.
+            old_rows = self._copy_oldest(num_evicted)
+            mx.async_eval(*old_rows)
+        return _RotatingWrite(self, num_new, old_rows, (keys, values))
+
+    def _copy_oldest(self, count: int) -> Tuple[mx.array, mx.array]:
+        at = mx.array(self._oldest_slots(count))
+        return mx.take(self.keys, at, axis=2), mx.take(self.values, at, axis=2)
+
+    def _next_overwritten(self) -> Tuple[mx.array, mx.array]:
+        """Copies of the row the next single-token write overwrites (a full ring).
+
+        MLX writes a buffer in place only if nothing else holds it when the write is
+        scheduled, a pending read included, so a copy must be waited for. One wait
+        serves `lookahead` writes: the write at offset o destroys position o - window
+        (the oldest non-sink), so the block copied at offset o0 holds at j = o - o0 the
+        row that write destroys. A position only changes after a trim goes back to it,
+        so the block stays right while the offset stays at or above o0 (_undo drops it).
+        """
+        j = self.offset - self._ahead_from
+        if self._ahead_rows is None or not 0 <= j < self._ahead_rows[0].shape[2]:
+            self._ahead_rows = self._copy_oldest(min(self.lookahead, self.size() - self.keep))
+            mx.eval(*self._ahead_rows)
+            self._ahead_from, j = self.offset, 0
+        keys, values = self._ahead_rows
+        return keys[..., j : j + 1, :], values[..., j : j + 1, :]
 
     def _undo(self, record: _RotatingWrite, m: int) -> None:
         """Put back the cache `record` was taken from (later records already undone),
@@ -360,6 +388,8 @@ class RotatingKVCache(_BaseCache):
             self.keys, self.values = self._ring_order(keys), self._ring_order(values)
         if not record.had_buffer:
             self.keys = self.values = None
+        if self.offset < self._ahead_from:
+            self._ahead_rows = None
         if m:
             self._append(record.keys[..., :m, :], record.values[..., :m, :])
         record.num_applied = m
@@ -440,9 +470,11 @@ class RotatingKVCache(_BaseCache):
 
     def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
         self._rollbacks = RollbackLog(rollback_window)
+        self._ahead_rows = None
 
     def stop_speculation(self) -> None:
         self._rollbacks = None
+        self._ahead_rows = None
 
     def is_trimmable(self) -> bool:
         return self._rollbacks is not None or not self.wrapped()
