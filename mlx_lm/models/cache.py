@@ -254,9 +254,9 @@ class RotatingKVCache(_BaseCache):
     lookahead = 32  # rows copied per wait while speculating (see _next_overwritten)
     _rollbacks: Optional[RollbackLog] = None  # set while speculating
     # While speculating: copies of the rows that the writes at offsets _ahead_from,
-    # _ahead_from + 1, ... destroy, as (keys, values) (see _next_overwritten).
+    # _ahead_from + 1, ... destroy, one (keys, values) pair each (see _next_overwritten).
     _ahead_from = 0
-    _ahead_rows: Optional[Tuple[mx.array, mx.array]] = None
+    _ahead_rows: Optional[List[Tuple[mx.array, mx.array]]] = None
 
     def __init__(self, max_size: int, keep: int = 0):
         if not 0 <= keep < max_size:
@@ -363,12 +363,14 @@ class RotatingKVCache(_BaseCache):
         so the block stays right while the offset stays at or above o0 (_undo drops it).
         """
         j = self.offset - self._ahead_from
-        if self._ahead_rows is None or not 0 <= j < self._ahead_rows[0].shape[2]:
-            self._ahead_rows = self._copy_oldest(min(self.lookahead, self.size() - self.keep))
-            mx.eval(*self._ahead_rows)
+        if self._ahead_rows is None or not 0 <= j < len(self._ahead_rows):
+            count = min(self.lookahead, self.size() - self.keep)
+            keys, values = self._copy_oldest(count)
+            mx.eval(keys, values)
+            # Row views made once per block: slicing per write costs more than the write.
+            self._ahead_rows = list(zip(mx.split(keys, count, axis=2), mx.split(values, count, axis=2)))
             self._ahead_from, j = self.offset, 0
-        keys, values = self._ahead_rows
-        return keys[..., j : j + 1, :], values[..., j : j + 1, :]
+        return self._ahead_rows[j]
 
     def _undo(self, record: _RotatingWrite, m: int) -> None:
         """Put back the cache `record` was taken from (later records already undone),
