@@ -413,8 +413,8 @@ class RotatingKVCache(_BaseCache):
             held = self.size()
             self.keys = _grow(self.keys, held, held + 1, keys, self.step, self.max_size)
             self.values = _grow(self.values, held, held + 1, values, self.step, self.max_size)
-        # In place when only the cache holds the buffer (speculating too: _record copies
-        # the one row this destroys, and holds no reference to the buffer).
+        # In place when only the cache holds the buffer; speculating too, as _record
+        # copied the row this destroys beforehand and keeps no reference to the buffer.
         at = mx.array([self._idx])
         self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
         self.values = mx.slice_update(self.values, values, at, axes=(2,))
