@@ -216,6 +216,31 @@ class KVCache(_AppendOnlyCache):
         return quantized
 
 
+class _RotatingWrite:
+    """One update of a speculating RotatingKVCache, as its RollbackLog rewind.
+
+    It keeps only what the update destroys: the cache's `offset` and write index `idx`
+    before it, and copies of the rows it overwrote or evicted (`old_keys`/`old_values`,
+    the oldest non-sink rows then, oldest first; None if none; for a single token a row
+    of the block copied ahead, see RotatingKVCache._next_overwritten), plus, for a
+    multi-token update, its own rows (`keys`/`values`) so that a prefix can be
+    re-appended. So records cost O(tokens written + lookahead) rows, never the window,
+    and nothing but the cache holds the ring buffers, which MLX then updates in place.
+    `num_applied`: how many of the update's tokens the cache holds now (fewer after a
+    partial rewind).
+    """
+
+    def __init__(self, cache: "RotatingKVCache", num_tokens: int, old_rows, new_rows):
+        self.cache = cache
+        self.offset, self.idx, self.had_buffer = cache.offset, cache._idx, cache.keys is not None
+        self.old_keys, self.old_values = old_rows
+        self.keys, self.values = new_rows
+        self.num_applied = num_tokens
+
+    def __call__(self, m: int) -> None:
+        self.cache._undo(self, m)
+
+
 class RotatingKVCache(_BaseCache):
     """At most `max_size` tokens: the first `keep` (attention sinks) plus the most recent.
 
@@ -227,7 +252,12 @@ class RotatingKVCache(_BaseCache):
     """
 
     step = 256
+    lookahead = 32  # rows copied per wait while speculating (see _next_overwritten)
     _rollbacks: Optional[RollbackLog] = None  # set while speculating
+    # While speculating: copies of the rows that the writes at offsets _ahead_from,
+    # _ahead_from + 1, ... destroy, one (keys, values) pair each (see _next_overwritten).
+    _ahead_from = 0
+    _ahead_rows: Optional[List[Tuple[mx.array, mx.array]]] = None
 
     def __init__(self, max_size: int, keep: int = 0):
         if not 0 <= keep < max_size:
@@ -250,15 +280,41 @@ class RotatingKVCache(_BaseCache):
     def size(self) -> int:
         return min(self.offset, self.max_size)
 
+    def _ring_start(self) -> int:
+        """Ring slot of the oldest non-sink row (the next to be overwritten once full)."""
+        if self.wrapped() and self._idx < self.max_size:
+            return self._idx
+        return self.keep
+
     def _temporal_order(self, buffer: mx.array) -> mx.array:
         """The held rows of `buffer` ordered by position."""
-        n = self.size()
-        if not self.wrapped() or self._idx == self.max_size:
+        n, start = self.size(), self._ring_start()
+        if start == self.keep:
             return buffer[..., :n, :]
         return mx.concatenate(
-            [buffer[..., : self.keep, :], buffer[..., self._idx : n, :], buffer[..., self.keep : self._idx, :]],
-            axis=2,
+            [buffer[..., : self.keep, :], buffer[..., start:n, :], buffer[..., self.keep : start, :]], axis=2
         )
+
+    def _ring_order(self, rows: mx.array) -> mx.array:
+        """Inverse of _temporal_order: held rows in temporal order, laid out as the ring
+        holds them at the current offset and write index."""
+        n, start = self.size(), self._ring_start()
+        if start == self.keep:
+            return rows
+        split = self.keep + n - start  # rows before it sit at slots start..n-1
+        return mx.concatenate(
+            [rows[..., : self.keep, :], rows[..., split:, :], rows[..., self.keep : split, :]], axis=2
+        )
+
+    def _oldest_slots(self, count: int) -> List[int]:
+        """Ring slots of the `count` oldest non-sink rows, oldest first."""
+        ring, start = self.size() - self.keep, self._ring_start() - self.keep
+        return [self.keep + (start + j) % ring for j in range(count)]
+
+    def _num_evicted(self, held: int, num_new: int) -> int:
+        """How many of `held` rows an update of num_new tokens overwrites or evicts (always
+        the oldest non-sink ones)."""
+        return min(max(held + num_new - self.max_size, 0), max(held - self.keep, 0))
 
     def _held_positions(self) -> mx.array:
         """Positions of the held tokens in temporal order."""
@@ -269,7 +325,7 @@ class RotatingKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self._rollbacks is not None:
-            self._rollbacks.push(keys.shape[2], self._rewinder(keys, values))
+            self._rollbacks.push(keys.shape[2], self._record(keys, values))
         return self._append(keys, values)
 
     def _append(self, keys: mx.array, values: mx.array):
@@ -277,18 +333,79 @@ class RotatingKVCache(_BaseCache):
             return self._update_in_place(keys, values)
         return self._update_concat(keys, values)
 
-    def _rewinder(self, keys: mx.array, values: mx.array) -> Callable[[int], None]:
-        """Rewind to the window before this update, then re-append its first m tokens.
-        The buffers are never written in place (see _update_in_place), so holding
-        references is the snapshot: nothing is copied."""
-        before = (self.keys, self.values, self.offset, self._idx)
+    def _record(self, keys: mx.array, values: mx.array) -> _RotatingWrite:
+        """Copy the rows this update will destroy, before it runs."""
+        num_new = keys.shape[2]
+        num_evicted = self._num_evicted(self.size(), num_new)
+        if num_new == 1:
+            # A single token is never partly undone, so its own rows are not needed.
+            old_rows = self._next_overwritten() if num_evicted else (None, None)
+            return _RotatingWrite(self, num_new, old_rows, (None, None))
+        old_rows = (None, None)
+        if num_evicted:
+            # A gather allocates its own rows (a slice would be a view pinning the whole
+            # buffer). Queue it now so the old buffer is freed once it has run.
+            old_rows = self._copy_oldest(num_evicted)
+            mx.async_eval(*old_rows)
+        return _RotatingWrite(self, num_new, old_rows, (keys, values))
 
-        def rewind(m: int) -> None:
-            self.keys, self.values, self.offset, self._idx = before
-            if m:
-                self._append(keys[..., :m, :], values[..., :m, :])
+    def _copy_oldest(self, count: int) -> Tuple[mx.array, mx.array]:
+        at = mx.array(self._oldest_slots(count))
+        return mx.take(self.keys, at, axis=2), mx.take(self.values, at, axis=2)
 
-        return rewind
+    def _next_overwritten(self) -> Tuple[mx.array, mx.array]:
+        """Copies of the row the next single-token write overwrites (a full ring).
+
+        MLX writes a buffer in place only if nothing else holds it when the write is
+        scheduled, a pending read included, so a copy must be waited for. One wait
+        serves `lookahead` writes: the write at offset o destroys position o - window
+        (the oldest non-sink), so the block copied at offset o0 holds at j = o - o0 the
+        row that write destroys. A position only changes after a trim goes back to it,
+        so the block stays right while the offset stays at or above o0 (_undo drops it).
+        """
+        j = self.offset - self._ahead_from
+        if self._ahead_rows is None or not 0 <= j < len(self._ahead_rows):
+            count = min(self.lookahead, self.size() - self.keep)
+            keys, values = self._copy_oldest(count)
+            mx.eval(keys, values)
+            # Row views made once per block: slicing per write costs more than the write.
+            self._ahead_rows = list(zip(mx.split(keys, count, axis=2), mx.split(values, count, axis=2)))
+            self._ahead_from, j = self.offset, 0
+        return self._ahead_rows[j]
+
+    def _undo(self, record: _RotatingWrite, m: int) -> None:
+        """Put back the cache `record` was taken from (later records already undone),
+        then re-append the first m of its tokens."""
+        held_before = min(record.offset, self.max_size)
+        num_evicted = self._num_evicted(held_before, record.num_applied)
+        if record.num_applied == 1:  # written in place: write the destroyed row back
+            self.offset, self._idx = record.offset, record.idx
+            if num_evicted:
+                at = mx.array(self._oldest_slots(1))
+                self.keys = mx.slice_update(self.keys, record.old_keys[..., :1, :], at, axes=(2,))
+                self.values = mx.slice_update(self.values, record.old_values[..., :1, :], at, axes=(2,))
+        else:  # concatenated: rebuild the window from the held rows and the evicted ones
+            keys = self._window_before(self.keys, record.old_keys, held_before, num_evicted)
+            values = self._window_before(self.values, record.old_values, held_before, num_evicted)
+            self.offset, self._idx = record.offset, record.idx
+            self.keys, self.values = self._ring_order(keys), self._ring_order(values)
+        if not record.had_buffer:
+            self.keys = self.values = None
+        if self.offset < self._ahead_from:
+            self._ahead_rows = None
+        if m:
+            self._append(record.keys[..., :m, :], record.values[..., :m, :])
+        record.num_applied = m
+
+    def _window_before(self, buffer: mx.array, old: Optional[mx.array], held: int, num_evicted: int) -> mx.array:
+        """The `held` rows, in temporal order, that the cache had before an update that
+        evicted `old` (num_evicted rows after the sinks); `buffer` is the cache after it."""
+        rows = self._temporal_order(buffer)
+        sinks = min(self.keep, held)
+        pieces = [rows[..., :sinks, :], rows[..., sinks : held - num_evicted, :]]
+        if num_evicted:
+            pieces.insert(1, old[..., :num_evicted, :])
+        return mx.concatenate(pieces, axis=2)
 
     def _update_in_place(self, keys: mx.array, values: mx.array):
         if self._idx == self.max_size:
@@ -297,9 +414,8 @@ class RotatingKVCache(_BaseCache):
             held = self.size()
             self.keys = _grow(self.keys, held, held + 1, keys, self.step, self.max_size)
             self.values = _grow(self.values, held, held + 1, values, self.step, self.max_size)
-        # slice_update makes a new array instead of mutating the shared one, so a
-        # rollback record holding the old buffer stays intact (MLX still reuses the
-        # memory when nothing else holds it).
+        # In place when only the cache holds the buffer; speculating too, as _record
+        # copied the row this destroys beforehand and keeps no reference to the buffer.
         at = mx.array([self._idx])
         self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
         self.values = mx.slice_update(self.values, values, at, axes=(2,))
@@ -357,9 +473,11 @@ class RotatingKVCache(_BaseCache):
 
     def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
         self._rollbacks = RollbackLog(rollback_window)
+        self._ahead_rows = None
 
     def stop_speculation(self) -> None:
         self._rollbacks = None
+        self._ahead_rows = None
 
     def is_trimmable(self) -> bool:
         return self._rollbacks is not None or not self.wrapped()
