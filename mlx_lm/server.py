@@ -50,7 +50,7 @@ import mlx.core as mx
 from .generate import (
     GenerationResponse,
     check_can_speculate,
-    check_same_vocabulary,
+    check_same_tokenizer,
     json_object,
     positive_int,
     prefill,
@@ -101,8 +101,8 @@ class ServedModel:
         self.draft_model = None
         self.draft_name = draft_path
         if draft_path is not None:
-            self.draft_model, _ = load(draft_path)
-            check_same_vocabulary(self.model, self.draft_model)
+            self.draft_model, draft_tokenizer = load(draft_path)
+            check_same_tokenizer(self.tokenizer, draft_tokenizer, path, draft_path)
         self.prompt_cache = LRUPromptCache(cache_size, cache_bytes)
         fresh = self.make_cache()
         if self.draft_model is not None:
