@@ -448,9 +448,10 @@ def speculative_generate_step(
     cache kind (DESIGN.md §2). `prompt_cache` is the target's entries followed by the
     draft's. `stats` (optional) receives the counts; `kv_bits` etc. quantize KV caches as
     in `generate_step`. The draft must use the target's tokenizer (the loaders check it
-    with check_same_tokenizer); its embedding table may be padded to another size.
+    with check_same_tokenizer); its embedding table may be padded to another size: it
+    proposes only ids both tables hold, and is fed 0 for any id beyond its table.
 
-    What the caches hold, target and draft alike (checked at every point of a round):
+    What the caches hold, target and draft alike:
     - when the generator finishes or is closed at any yield: the prompt and every
       yielded token, exactly as after `generate_step` (feeding the last one lazily);
     - after an exception, also KeyboardInterrupt and one thrown in at a yield: the
@@ -458,8 +459,9 @@ def speculative_generate_step(
       minus its last token). Only trimming gets them there, no model runs, and the
       original exception propagates. Between rounds both caches hold the sequence minus
       its last token, so a fully accepted round feeds the draft its last proposal.
-    Not covered: an exception during prefill, or an interrupt landing inside a model's
-    forward between two layers, leaves the caches partly fed; discard them.
+    Not covered: an exception during prefill, or an interrupt that lands inside a
+    model's forward (between its layers) or between a trim and its recount, leaves the
+    caches partly fed; discard them.
     """
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if num_draft_tokens < 1:

@@ -40,7 +40,8 @@ NOISE = 0.05
 NOISE_FOR = {"qwen3_tf4": 0.15}
 
 TARGETS = ["llama_tf4", "qwen3_tf4", "gpt_oss_tf5", "qwen3_next_tf5", "qwen3_5_tf4", "qwen3_5_moe_tf5"]
-DRAFTS = ["disagreeing", "noisy", "self", "hybrid"]
+# Draft kind -> the draft lengths it runs with (fewer where more would repeat a case).
+DRAFT_LENGTHS = {"disagreeing": (1, 3, 7), "noisy": (2, 4, 7), "self": (1, 4), "hybrid": (2, 5)}
 
 
 def model(name):
@@ -119,12 +120,12 @@ def split(target, prompt_cache):
 
 
 @pytest.mark.parametrize("target_name", TARGETS)
-@pytest.mark.parametrize("draft_kind", DRAFTS)
+@pytest.mark.parametrize("draft_kind", DRAFT_LENGTHS)
 def test_greedy_speculative_equals_plain(target_name, draft_kind):
     target, draft = model(target_name), draft_for(draft_kind, target_name)
     want = plain(target)
     rounds = {}
-    for k in (1, 2, 4, 7):
+    for k in DRAFT_LENGTHS[draft_kind]:
         stats = SpeculationStats()
         out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k,
                                              max_tokens=NUM_TOKENS, stats=stats))
@@ -136,9 +137,9 @@ def test_greedy_speculative_equals_plain(target_name, draft_kind):
         elif draft_kind != "noisy":
             assert stats.num_accepted < stats.num_drafted / 2  # mostly rolled back
     if draft_kind == "noisy":
-        # Partly accepted rounds at every k > 1: the target rolls back 1..k-1 tokens
-        # (a multi-token GDN replay, a multi-token sliding-window re-append).
-        assert all(any(0 < n < k for n in rounds[k]) for k in (2, 4, 7)), rounds
+        # Partly accepted rounds at every k: the target keeps 2..k of its k + 1 verified
+        # tokens (a multi-token GDN replay, a multi-token sliding-window re-append).
+        assert all(any(0 < n < k for n in rounds[k]) for k in rounds), rounds
         assert any(n == k for k in rounds for n in rounds[k]), rounds  # fully accepted too
         assert any(n == 0 for k in rounds for n in rounds[k]), rounds  # and nothing accepted
 
