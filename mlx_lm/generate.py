@@ -506,7 +506,8 @@ def speculative_generate_step(
             new_tokens = drafts[:num_accepted] + [targets[num_accepted]]
             sequence += new_tokens
 
-            # Rewind both caches to the sequence minus its last token.
+            # Rewind both caches to the sequence minus its last token (after a fully
+            # accepted round that feeds the draft its last proposal).
             target.settle(sequence[:-1])
             draft.settle(sequence[:-1])
             stats.num_drafted += num_draft
