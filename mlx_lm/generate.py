@@ -264,10 +264,10 @@ def _vocabulary_difference(target_vocab: dict, draft_vocab: dict) -> Optional[st
 
 
 def vocabulary_sizes(model: nn.Module, draft_model: nn.Module) -> Tuple[int, int]:
-    """The embedding table sizes (target, draft): all that can be checked without the
-    tokenizers (check_same_tokenizer, which the loaders call). Tables of one tokenizer
-    are often padded differently (Qwen2.5 0.5B: 151936 rows, 7B: 152064), so the sizes
-    may differ: the draft proposes only ids both tables hold (see _Side)."""
+    """The embedding table sizes (target, draft). They cannot tell whether the models
+    share a tokenizer (check_same_tokenizer, which the loaders call, does): tables of one
+    tokenizer are often padded differently (Qwen2.5 0.5B: 151936 rows, 7B: 152064), so
+    sizes may differ and the draft proposes only ids both tables hold (see _Side)."""
     return model.args.vocab_size, draft_model.args.vocab_size
 
 
