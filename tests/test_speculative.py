@@ -347,9 +347,14 @@ def with_table(source, rows):
 
 def test_draft_tables_of_another_size_use_the_shared_range():
     """A larger draft table never proposes ids the target lacks; a smaller one is fed
-    id 0 for committed ids beyond it. Output is the target's either way."""
+    id 0 for committed ids beyond it, and its logits are widened with -inf so logits
+    processors (built for the target's ids) apply to it too. Output is the target's."""
+    from mlx_lm.sample_utils import make_logits_processors
+
     target = model("llama_tf4")
+    processors = make_logits_processors(logit_bias={250: 1.0}, repetition_penalty=1.5)
     want = plain(target)
+    want_processed = [t for t, _ in generate_step(PROMPT, target, max_tokens=16, logits_processors=processors)]
     for rows in (512, 200):
         draft = with_table(noisy("llama_tf4"), rows)
         cache = make_prompt_cache(target) + make_prompt_cache(draft)
@@ -365,6 +370,9 @@ def test_draft_tables_of_another_size_use_the_shared_range():
             assert any(t >= rows for t in tokens)  # the draft was fed ids beyond its table
             tokens = [t if t < rows else 0 for t in tokens]
         assert_holds(draft, draft_cache, tokens, exact=True)
+        processed = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=16,
+                                              logits_processors=processors)
+        assert [t for t, _, _ in processed] == want_processed, f"draft table {rows}"
 
 
 @pytest.fixture(scope="module")
