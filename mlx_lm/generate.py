@@ -223,13 +223,47 @@ def generate_step(
         y, logprobs = next_y, next_logprobs
 
 
-def check_same_vocabulary(model: nn.Module, draft_model: nn.Module) -> None:
-    target_vocab, draft_vocab = model.args.vocab_size, draft_model.args.vocab_size
-    if target_vocab != draft_vocab:
+def check_same_tokenizer(tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
+    """Raise ValueError unless the draft's tokenizer gives every token the target's id
+    and agrees on the EOS, BOS and pad ids. Loaders call this (the CLI and the server);
+    the embedding tables may still be padded to different sizes (see vocabulary_sizes)."""
+    problem = _vocabulary_difference(tokenizer.get_vocab(), draft_tokenizer.get_vocab())
+    specials = [
+        ("EOS", tokenizer.eos_token_id, draft_tokenizer.eos_token_id),
+        ("BOS", tokenizer.bos_token_id, draft_tokenizer.bos_token_id),
+        ("pad", tokenizer.pad_token_id, draft_tokenizer.pad_token_id),
+    ]
+    for role, target_id, draft_id in specials:
+        if problem is None and target_id != draft_id:
+            problem = f"{role} id {target_id} for the target, {draft_id} for the draft"
+    if problem is not None:
         raise ValueError(
-            f"Draft model vocabulary ({draft_vocab}) != target vocabulary ({target_vocab}); "
-            "the draft must share the target's tokenizer"
+            f"draft tokenizer ({draft_name}) differs from the target's ({target_name}): {problem}; "
+            "use a draft model made with the target's tokenizer"
         )
+
+
+def _vocabulary_difference(target_vocab: dict, draft_vocab: dict) -> Optional[str]:
+    """How two token -> id maps differ, in words, or None if they are equal."""
+    target_tokens = {i: token for token, i in target_vocab.items()}
+    draft_tokens = {i: token for token, i in draft_vocab.items()}
+    ids = sorted(target_tokens.keys() | draft_tokens.keys())
+    differing = [i for i in ids if target_tokens.get(i) != draft_tokens.get(i)]
+    if not differing:
+        return None
+    first = differing[0]
+    return (
+        f"{len(differing)} of {len(ids)} token ids differ, e.g. id {first} is "
+        f"{target_tokens.get(first, 'missing')!r} for the target, {draft_tokens.get(first, 'missing')!r} for the draft"
+    )
+
+
+def vocabulary_sizes(model: nn.Module, draft_model: nn.Module) -> Tuple[int, int]:
+    """The embedding table sizes (target, draft). They cannot tell whether the models
+    share a tokenizer (check_same_tokenizer, which the loaders call, does): tables of one
+    tokenizer are often padded differently (Qwen2.5 0.5B: 151936 rows, 7B: 152064), so
+    sizes may differ and the draft proposes only ids both tables hold (see _Side)."""
+    return model.args.vocab_size, draft_model.args.vocab_size
 
 
 def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str) -> None:
@@ -261,30 +295,116 @@ def _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size) -> 
     return prompt_cache
 
 
-def verify(
-    model: nn.Module,
-    tokens: mx.array,
+@dataclass
+class _Side:
+    """One model of a speculative run and what its cache holds: the first `num_held`
+    tokens of the sequence, then `num_fed` more fed this round, not yet accepted.
+
+    Logits come out with `num_columns` columns, the target's vocabulary: a draft with a
+    larger table loses the extra columns, a smaller one gets -inf columns, so the draft
+    never proposes an id the target's table lacks and processors and samplers always
+    see the target's shape. Ids beyond this model's own table (a draft with a smaller
+    table, fed a padding-row id the target committed: no tokenizer has it, only an odd
+    target emits one) are fed as id 0: the draft's guesses after it may be worse, the
+    output is still the target's.
+    """
+
+    model: nn.Module
+    cache: List[Any]
+    table_size: int
+    num_columns: int
+    num_held: int = 0
+    num_fed: int = 0
+
+    def model_ids(self, tokens: mx.array) -> mx.array:
+        """`tokens` with ids beyond this model's table replaced by 0."""
+        if self.table_size >= self.num_columns:
+            return tokens
+        return mx.where(tokens < self.table_size, tokens, 0)
+
+    def forward(self, tokens: mx.array) -> mx.array:
+        """Logits (T, num_columns) after each of `tokens` (1-D). MLX writes the cache
+        while it builds the graph, so the tokens count as fed when the call returns,
+        before anything that can still fail (processors, sampler, the sync)."""
+        logits = self.model(self.model_ids(tokens)[None], cache=self.cache)[0]
+        self.num_fed += tokens.size
+        if self.table_size > self.num_columns:
+            return logits[:, : self.num_columns]
+        if self.table_size < self.num_columns:
+            missing = mx.full((logits.shape[0], self.num_columns - self.table_size), -mx.inf, logits.dtype)
+            return mx.concatenate([logits, missing], axis=1)
+        return logits
+
+    def settle(self, tokens: List[int], *, may_feed: bool = True) -> None:
+        """Hold exactly `tokens`, which agree with what the cache holds and was fed up
+        to the shorter of the two: trim what lies beyond them, then feed (lazily) what
+        is missing unless `may_feed` is off."""
+        num_in_cache = self.num_held + self.num_fed
+        cache.trim_prompt_cache(self.cache, num_in_cache - len(tokens))
+        self.num_held, self.num_fed = min(num_in_cache, len(tokens)), 0
+        if self.num_held < len(tokens) and may_feed:
+            self.forward(mx.array(tokens[self.num_held :], mx.uint32))
+            self.num_held, self.num_fed = len(tokens), 0
+
+
+def sample_rows(
+    logits: mx.array,
+    history: Optional[mx.array],
     drafts: mx.array,
-    prompt_cache: List[Any],
     sampler: Callable[[mx.array], mx.array],
     logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
-    history: List[int],
-) -> Tuple[List[int], mx.array]:
-    """One target forward over `tokens` then the `drafts` (1-D, possibly empty); sample
-    the target's own token after each of the last drafts.size + 1 positions.
-    Returns (tokens, logprobs (drafts.size + 1, V))."""
-    num_scored = drafts.size + 1
-    logits = model(mx.concatenate([tokens, drafts])[None], cache=prompt_cache)[0, -num_scored:]
+) -> Tuple[mx.array, mx.array]:
+    """Sample a token after each row of `logits` (N, V); the processors see, for row i,
+    `history` (1-D) followed by drafts[:i]. Returns (tokens (N,), logprobs (N, V))."""
     if logits_processors:
         rows = []
-        for i in range(num_scored):
-            row, seen = logits[i : i + 1], mx.concatenate([mx.array(history), drafts[:i]])
+        for i in range(logits.shape[0]):
+            row, seen = logits[i : i + 1], mx.concatenate([history, drafts[:i]])
             for processor in logits_processors:
                 row = processor(seen, row)
             rows.append(row)
         logits = mx.concatenate(rows)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs).tolist(), logprobs
+    return sampler(logprobs), logprobs
+
+
+def propose(
+    draft: _Side,
+    sequence: List[int],
+    num_draft: int,
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
+) -> mx.array:
+    """The draft's next `num_draft` tokens after `sequence` (1-D, lazy). The draft holds
+    sequence[:-1]; it is fed the last token, then each proposal but the last."""
+    proposals, inputs = [], mx.array(sequence[draft.num_held :], mx.uint32)
+    for _ in range(num_draft):
+        logits = draft.forward(inputs)[-1:]
+        history = mx.concatenate([mx.array(sequence), *proposals]) if logits_processors else None
+        token, _ = sample_rows(logits, history, mx.array([], mx.uint32), sampler, logits_processors)
+        proposals.append(token.astype(mx.uint32))
+        # Start computing each draft as soon as it is built, so building the next
+        # step overlaps it (measured 6-12% faster per round than one eval).
+        mx.async_eval(proposals[-1])
+        inputs = proposals[-1]
+    return mx.concatenate(proposals) if proposals else mx.array([], mx.uint32)
+
+
+def verify(
+    target: _Side,
+    sequence: List[int],
+    drafts: mx.array,
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
+) -> Tuple[List[int], mx.array]:
+    """One target forward over the last token of `sequence` then the `drafts` (1-D,
+    possibly empty); sample the target's own token after each of those positions.
+    Returns (tokens, logprobs (drafts.size + 1, V)); the tokens are synced to Python."""
+    inputs = mx.concatenate([mx.array(sequence[target.num_held :], mx.uint32), drafts])
+    logits = target.forward(inputs)[-(drafts.size + 1) :]
+    history = mx.array(sequence) if logits_processors else None
+    tokens, logprobs = sample_rows(logits, history, drafts, sampler, logits_processors)
+    return tokens.tolist(), logprobs
 
 
 def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
@@ -293,15 +413,6 @@ def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
     while n < len(drafts) and drafts[n] == targets[n]:
         n += 1
     return n
-
-
-def sync_cache(model: nn.Module, prompt_cache: List[Any], num_held: int, tokens: List[int]) -> None:
-    """Make a cache that holds tokens[:num_held] (or more) hold exactly `tokens`. A feed
-    stays lazy: it is computed when the cache is next used, never if it is not."""
-    if num_held > len(tokens):
-        cache.trim_prompt_cache(prompt_cache, num_held - len(tokens))
-    elif num_held < len(tokens):
-        model(mx.array(tokens[num_held:])[None], cache=prompt_cache)
 
 
 def speculative_generate_step(
@@ -330,80 +441,77 @@ def speculative_generate_step(
     target's next token follows it. Every emitted token is the target's choice, so greedy
     output equals `generate_step`'s. Rejected tokens are rolled back exactly on every
     cache kind (DESIGN.md §2). `prompt_cache` is the target's entries followed by the
-    draft's. When the generator finishes or is closed, both caches hold the prompt and
-    every yielded token, exactly as after `generate_step`; after an exception they hold
-    that sequence minus its last token. `stats` (optional) receives the counts;
-    `kv_bits` etc. quantize KV caches as in `generate_step`.
+    draft's. `stats` (optional) receives the counts; `kv_bits` etc. quantize KV caches as
+    in `generate_step`. The draft must use the target's tokenizer (the loaders check it
+    with check_same_tokenizer); its embedding table may be padded to another size: it
+    proposes only ids both tables hold, and is fed 0 for any id beyond its table.
+
+    What the caches hold, target and draft alike:
+    - when the generator finishes or is closed at any yield: the prompt and every
+      yielded token, exactly as after `generate_step` (feeding the last one lazily);
+    - after an exception, also KeyboardInterrupt and one thrown in at a yield: the
+      prompt and every yielded token but the last (before the first yield: the prompt
+      minus its last token). Only trimming gets them there, no model runs, and the
+      original exception propagates. Between rounds both caches hold the sequence minus
+      its last token, so a fully accepted round feeds the draft its last proposal.
+    Not covered: an exception during prefill, or an interrupt that lands inside a
+    model's forward (between its layers) or between a trim and its recount, leaves the
+    caches partly fed; discard them.
     """
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
-    check_same_vocabulary(model, draft_model)
+    target_vocab, draft_vocab = vocabulary_sizes(model, draft_model)
     prompt_cache = _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size)
     num_target = len(model.layers)
-    target_cache, draft_cache = prompt_cache[:num_target], prompt_cache[num_target:]
-    check_can_speculate(model, target_cache, "target model")
-    check_can_speculate(draft_model, draft_cache, "draft model")
+    target = _Side(model, prompt_cache[:num_target], target_vocab, target_vocab)
+    draft = _Side(draft_model, prompt_cache[num_target:], draft_vocab, target_vocab)
+    check_can_speculate(model, target.cache, "target model")
+    check_can_speculate(draft_model, draft.cache, "draft model")
     sampler = sampler or make_sampler()
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
-    prefill(draft_model, prompt, draft_cache, prefill_step_size, lambda done, total: None, quantize_kv)
-    prefill(model, prompt, target_cache, prefill_step_size, progress, quantize_kv)
+    prefill(draft_model, draft.model_ids(prompt), draft.cache, prefill_step_size, lambda done, total: None, quantize_kv)
+    prefill(model, prompt, target.cache, prefill_step_size, progress, quantize_kv)
     sequence = prompt.tolist()  # the prompt, then every token the target committed to
     num_prompt = len(sequence)
-    target_len = draft_len = num_prompt - 1  # tokens of `sequence` each cache holds
-    num_yielded = target_fed = draft_fed = 0
-    for c in target_cache + draft_cache:
+    target.num_held = draft.num_held = num_prompt - 1
+    num_yielded = 0
+    for c in target.cache + draft.cache:
         c.start_speculation(rollback_window=num_draft_tokens + 1)
     clean_stop = False
     try:
         while max_tokens == -1 or num_yielded < max_tokens:
             # Round counters first: `finally` undoes exactly what this round fed.
-            target_fed = draft_fed = 0
+            target.num_fed = draft.num_fed = 0
             remaining = num_draft_tokens + 1 if max_tokens == -1 else max_tokens - num_yielded
             num_draft = min(num_draft_tokens, remaining - 1)
 
-            # Draft: catch up on committed tokens, then propose num_draft.
-            draft_input, drafts = mx.array(sequence[draft_len:], mx.uint32), []
-            for _ in range(num_draft):
-                history = mx.concatenate([mx.array(sequence), *drafts]) if processors else None
-                token, _ = sample_next(draft_model, draft_input, draft_cache, sampler, processors, history)
-                draft_fed += draft_input.size
-                drafts.append(token.astype(mx.uint32))
-                # Start computing each draft as soon as it is built, so building the next
-                # step overlaps it (measured 6-12% faster per round than one eval).
-                mx.async_eval(drafts[-1])
-                draft_input = drafts[-1]
-            drafts = mx.concatenate(drafts) if drafts else mx.array([], mx.uint32)
-
-            # Verify all drafts in one target forward (queued behind the lazy drafts, no
-            # sync between), accept the agreeing prefix.
-            targets, logprobs = verify(
-                model, mx.array(sequence[target_len:], mx.uint32), drafts, target_cache, sampler,
-                processors, sequence,
-            )
+            # Draft, then verify all drafts in one target forward (queued behind the lazy
+            # drafts, no sync before verify's).
+            drafts = propose(draft, sequence, num_draft, sampler, processors)
+            targets, logprobs = verify(target, sequence, drafts, sampler, processors)
             drafts = drafts.tolist()
-            target_fed = len(sequence) - target_len + len(drafts)
-            num_accepted = accepted_prefix(drafts, targets)
 
-            # Rewind both caches to what the target accepted, then commit.
-            target_keep = min(target_fed, len(sequence) - target_len + num_accepted)
-            draft_keep = min(draft_fed, len(sequence) - draft_len + num_accepted)
-            cache.trim_prompt_cache(target_cache, target_fed - target_keep)
-            cache.trim_prompt_cache(draft_cache, draft_fed - draft_keep)
-            target_len, draft_len = target_len + target_keep, draft_len + draft_keep
-            target_fed = draft_fed = 0
+            # Accept the agreeing prefix and the target's token after it.
+            num_accepted = accepted_prefix(drafts, targets)
             new_tokens = drafts[:num_accepted] + [targets[num_accepted]]
             sequence += new_tokens
+
+            # Rewind both caches to the sequence minus its last token (after a fully
+            # accepted round that feeds the draft its last proposal).
+            target.settle(sequence[:-1])
+            draft.settle(sequence[:-1])
             stats.num_drafted += num_draft
             stats.num_accepted += num_accepted
             stats.num_target_forwards += 1
-            quantize_kv(target_cache)
-            quantize_kv(draft_cache)
+            quantize_kv(target.cache)
+            quantize_kv(draft.cache)
 
+            # Emit.
             for i, token in enumerate(new_tokens):
                 num_yielded += 1
                 yield token, logprobs[i], i < num_accepted
@@ -412,27 +520,28 @@ def speculative_generate_step(
         clean_stop = True  # closed by the consumer at a yield
         raise
     finally:
-        sides = [(model, target_cache, target_len, target_fed), (draft_model, draft_cache, draft_len, draft_fed)]
-        _finish_speculation(sides, sequence[: num_prompt + num_yielded], clean_stop)
-        prompt_cache[:] = target_cache + draft_cache  # entries quantized on the way
+        _finish_speculation([target, draft], sequence[: num_prompt + num_yielded], clean_stop)
+        prompt_cache[:] = target.cache + draft.cache  # entries quantized on the way
 
 
-def _finish_speculation(sides, delivered: List[int], clean_stop: bool) -> None:
-    """Undo the unfinished round of each side (model, cache, tokens held, tokens fed this
-    round); after a clean stop also bring both caches to exactly the delivered tokens.
-    After an exception nothing may mask it: rewinding is best effort, no model runs."""
+def _finish_speculation(sides: List[_Side], delivered: List[int], clean_stop: bool) -> None:
+    """Bring each side to the contract of speculative_generate_step: after a clean stop
+    exactly `delivered`; after an exception `delivered` minus its last token, by
+    trimming only, and nothing raised here may mask the exception. Mid-round
+    `delivered` ends before anything fed this round, so settle gives all of it back."""
     try:
-        for _, prompt_cache, _, num_fed in sides:
-            cache.trim_prompt_cache(prompt_cache, num_fed)
-        if clean_stop:
-            for side_model, prompt_cache, num_held, _ in sides:
-                sync_cache(side_model, prompt_cache, num_held, delivered)
-    except Exception:
-        if clean_stop:
-            raise
+        for side in sides:
+            try:
+                if clean_stop:
+                    side.settle(delivered)
+                else:
+                    side.settle(delivered[:-1], may_feed=False)
+            except Exception:
+                if clean_stop:
+                    raise
     finally:
-        for _, prompt_cache, _, _ in sides:
-            for c in prompt_cache:
+        for side in sides:
+            for c in side.cache:
                 c.stop_speculation()
 
 
@@ -629,7 +738,10 @@ def run(args: argparse.Namespace) -> str:
     from .utils import compute_dtype, load, parameter_dtypes
 
     model, tokenizer = load(args.model, dtype=args.dtype)
-    draft_model = None if args.draft_model is None else load(args.draft_model, dtype=args.dtype)[0]
+    draft_model = None
+    if args.draft_model is not None:
+        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype)
+        check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(int(token) if token.isdigit() else token)
     sampler = make_sampler(

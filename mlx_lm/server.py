@@ -74,7 +74,7 @@ import mlx.core as mx
 from .generate import (
     GenerationResponse,
     check_can_speculate,
-    check_same_vocabulary,
+    check_same_tokenizer,
     json_object,
     positive_int,
     prefill,
@@ -183,8 +183,8 @@ class ServedModel:
         self.draft_name = draft_path
         self.draft_context_length = None
         if draft_path is not None:
-            self.draft_model, _, draft_config = load(draft_path, return_config=True)
-            check_same_vocabulary(self.model, self.draft_model)
+            self.draft_model, draft_tokenizer, draft_config = load(draft_path, return_config=True)
+            check_same_tokenizer(self.tokenizer, draft_tokenizer, path, draft_path)
             self.draft_context_length = context_length(draft_config)
         self.context_length = context_length(config)
         if max_prompt_tokens is not None:

@@ -1,29 +1,56 @@
 """speculative_generate_step: lossless on every cache kind, consistent caches after.
 
-Targets: a dense llama, gpt-oss past its sliding window, and the Gated-DeltaNet hybrids.
-Drafts: a different random model (disagrees often, so nearly every round rolls back),
-the target itself (agrees, so rounds accept everything), and a hybrid.
+Targets: dense llama and qwen3, gpt-oss past its sliding window, and the Gated-DeltaNet
+hybrids. Drafts: a different random model (disagrees: nearly every round rolls back all
+it drafted), the target plus 5% noise (rounds end fully, partly and not at all accepted,
+so rollbacks of several tokens run through the GDN replay and the sliding-window
+re-append), the target itself (agrees: rounds accept everything), and a hybrid.
+
+Cache checks compare with a fresh cache fed the same tokens the way the draft feeds
+them (the prompt but its last token in one forward, then one token at a time): the
+draft's cache must give bit-identical logits, since it runs the same computation; the
+target's verify forwards take several tokens at once, so its logits agree to 1e-4.
 """
 
+import json
+import shutil
+import subprocess
+import sys
+
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
-from checkpoints import TINY_CONFIGS, write_checkpoint
+from checkpoints import TINY_CONFIGS, perturb, with_noise, write_checkpoint
 from conftest import FIXTURES
 
-from mlx_lm import stream_generate
-from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
+from mlx_lm import load, stream_generate
+from mlx_lm.generate import (
+    SpeculationStats,
+    check_same_tokenizer,
+    generate_step,
+    speculative_generate_step,
+)
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
 PROMPT = mx.array([(i * 37 + 11) % 256 for i in range(20)])  # longer than gpt-oss's window (8)
 NUM_TOKENS = 40
+NOISE = 0.05
+# Qwen3's tiny fixture keeps its greedy choices under more noise before rounds split.
+NOISE_FOR = {"qwen3_tf4": 0.15}
 
-TARGETS = ["llama_tf4", "gpt_oss_tf5", "qwen3_next_tf5", "qwen3_5_tf4", "qwen3_5_moe_tf5"]
-DRAFTS = ["disagreeing", "self", "hybrid"]
+TARGETS = ["llama_tf4", "qwen3_tf4", "gpt_oss_tf5", "qwen3_next_tf5", "qwen3_5_tf4", "qwen3_5_moe_tf5"]
+# Draft kind -> the draft lengths it runs with (fewer where more would repeat a case).
+DRAFT_LENGTHS = {"disagreeing": (1, 3, 7), "noisy": (2, 4, 7), "self": (1, 4), "hybrid": (2, 5)}
 
 
 def model(name):
     return load_model(FIXTURES / name)[0]
+
+
+def noisy(name, seed=0):
+    """The target's own weights plus noise: agrees with it part of the time."""
+    return perturb(model(name), NOISE_FOR.get(name, NOISE), seed)
 
 
 def plain(target, prompt=PROMPT, num_tokens=NUM_TOKENS, prompt_cache=None):
@@ -33,56 +60,153 @@ def plain(target, prompt=PROMPT, num_tokens=NUM_TOKENS, prompt_cache=None):
 def draft_for(kind, target_name):
     hybrid = "qwen3_next_tf4" if target_name.startswith("qwen3_next") else "qwen3_5_tf5"
     return {
-        "disagreeing": lambda: model("qwen3_tf5"),
+        "disagreeing": lambda: model("llama_tf4" if target_name.startswith("qwen3_tf") else "qwen3_tf5"),
+        "noisy": lambda: noisy(target_name),
         "self": lambda: model(target_name),
         "hybrid": lambda: model(hybrid),
     }[kind]()
 
 
+def accepted_per_round(out):
+    """Drafts accepted in each round, read from the from_draft flags: a round yields
+    its accepted drafts, then the target's own token."""
+    rounds, run = [], 0
+    for _, _, from_draft in out:
+        if from_draft:
+            run += 1
+        else:
+            rounds.append(run)
+            run = 0
+    return rounds
+
+
+FOLLOW = mx.array([[5, 9, 200]])
+_reference_logits = {}
+
+
+def reference(side_model, tokens, max_kv_size=None):
+    """Sizes and logits for FOLLOW of a fresh cache fed `tokens` the way the draft
+    feeds them (all but the prompt's last token in one forward, then one by one).
+    Memoised: the failure sweeps end at the same tokens many times."""
+    key = (id(side_model), tuple(tokens), max_kv_size)
+    if key not in _reference_logits:
+        fresh = make_prompt_cache(side_model, max_kv_size)
+        head = min(PROMPT.size - 1, len(tokens))
+        if head:
+            side_model(mx.array(tokens[:head])[None], cache=fresh)
+        for token in tokens[head:]:
+            side_model(mx.array([[token]]), cache=fresh)
+        sizes = [c.size() for c in fresh]
+        _reference_logits[key] = sizes, side_model(FOLLOW, cache=fresh)
+    return _reference_logits[key]
+
+
+def assert_holds(side_model, prompt_cache, tokens, exact, where="", max_kv_size=None):
+    """`prompt_cache` holds exactly `tokens`: the sizes of a fresh feed, and its logits
+    for a 3-token continuation (bit for bit when `exact`, else within 1e-4); and it no
+    longer speculates. Feeds the continuation."""
+    sizes, want = reference(side_model, tokens, max_kv_size)
+    assert [c.size() for c in prompt_cache] == sizes, where
+    assert not any(c.is_trimmable() and c.needs_layer_records for c in prompt_cache), where
+    got = side_model(FOLLOW, cache=prompt_cache)
+    if exact:
+        assert mx.array_equal(got, want), f"{where}: max diff {mx.abs(got - want).max().item()}"
+    else:
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4), f"{where}: max diff {mx.abs(got - want).max().item()}"
+
+
+def split(target, prompt_cache):
+    return prompt_cache[: len(target.layers)], prompt_cache[len(target.layers) :]
+
+
 @pytest.mark.parametrize("target_name", TARGETS)
-@pytest.mark.parametrize("draft_kind", DRAFTS)
+@pytest.mark.parametrize("draft_kind", DRAFT_LENGTHS)
 def test_greedy_speculative_equals_plain(target_name, draft_kind):
     target, draft = model(target_name), draft_for(draft_kind, target_name)
     want = plain(target)
-    for k in (1, 2, 4, 7):
+    rounds = {}
+    for k in DRAFT_LENGTHS[draft_kind]:
         stats = SpeculationStats()
         out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k,
                                              max_tokens=NUM_TOKENS, stats=stats))
         assert [t for t, _, _ in out] == want, f"k={k}"
         assert sum(from_draft for _, _, from_draft in out) == stats.num_accepted
+        rounds[k] = accepted_per_round(out)[:-1]  # the last round may draft fewer
         if draft_kind == "self":
             assert stats.num_accepted == stats.num_drafted  # the target agrees with itself
-        else:
+        elif draft_kind != "noisy":
             assert stats.num_accepted < stats.num_drafted / 2  # mostly rolled back
+    if draft_kind == "noisy":
+        # Partly accepted rounds at every k: the target keeps 2..k of its k + 1 verified
+        # tokens (a multi-token GDN replay, a multi-token sliding-window re-append).
+        assert all(any(0 < n < k for n in rounds[k]) for k in rounds), rounds
+        assert any(n == k for k in rounds for n in rounds[k]), rounds  # fully accepted too
+        assert any(n == 0 for k in rounds for n in rounds[k]), rounds  # and nothing accepted
 
 
 @pytest.mark.parametrize("target_name", TARGETS)
-def test_caches_after_speculation_equal_plain_caches(target_name):
-    """Both caches hold prompt + every yielded token; plain generation continues from
-    them exactly as from an uninterrupted run, also after closing early."""
-    target, draft = model(target_name), draft_for("hybrid", target_name)
+def test_caches_after_speculation_equal_a_fresh_feed(target_name):
+    """After finishing, and after closing at a yield inside a multi-token round, both
+    caches hold exactly prompt + every yielded token."""
+    target, draft = model(target_name), noisy(target_name)
     for stop_after in (NUM_TOKENS, 13):
         cache = make_prompt_cache(target) + make_prompt_cache(draft)
         generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
                                               max_tokens=NUM_TOKENS, prompt_cache=cache)
-        tokens = [t for t, _, _ in (next(generator) for _ in range(stop_after))]
+        tokens = PROMPT.tolist() + [t for t, _, _ in (next(generator) for _ in range(stop_after))]
         generator.close()
-        target_cache, draft_cache = cache[: len(target.layers)], cache[len(target.layers):]
-        held = PROMPT.size + stop_after
-        assert all(c.offset == held for c in cache if not c.needs_layer_records)
-        assert not any(c.is_trimmable() and c.needs_layer_records for c in cache)
-        follow = mx.array([5, 9])
-        everything = mx.concatenate([PROMPT, mx.array(tokens), follow])
-        want = plain(target, everything, 8)
-        assert plain(target, follow, 8, target_cache) == want
-        assert plain(draft, follow, 8, draft_cache) == plain(draft, everything, 8)
+        target_cache, draft_cache = split(target, cache)
+        assert_holds(target, target_cache, tokens, exact=False)
+        assert_holds(draft, draft_cache, tokens, exact=True)
 
 
-class FlakyDraft:
-    """A draft model that raises on its n-th forward."""
+# ---------------------------------------------------------------------------
+# Failures at every point of a round, and closing or throwing at every yield.
 
-    def __init__(self, inner, fail_at):
-        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+class Faults:
+    """Numbers, in order, every call a round makes into code that can fail (the two
+    models' forwards, the logits processor, the sampler, the sync of the target's
+    samples) and raises `error` at call number `fail_at` (0: never)."""
+
+    def __init__(self, fail_at=0, error=RuntimeError):
+        self.fail_at, self.error, self.events = fail_at, error, []
+
+    def tick(self, event):
+        self.events.append(event)
+        if len(self.events) == self.fail_at:
+            raise self.error(f"injected at call {self.fail_at}: {event}")
+
+    def processor(self, history, logits):
+        self.tick("processor")
+        return logits
+
+    def sampler(self, logprobs):
+        self.tick("sampler")
+        return WatchedSync(mx.argmax(logprobs, axis=-1), self)
+
+
+class WatchedSync:
+    """The sampler's tokens; `.tolist()` (the sync) counts as a call that can fail."""
+
+    def __init__(self, tokens, faults):
+        self.tokens, self.faults = tokens, faults
+
+    def astype(self, dtype):
+        return self.tokens.astype(dtype)
+
+    def tolist(self):
+        self.faults.tick("sync")
+        return self.tokens.tolist()
+
+
+class Watched:
+    """A model whose forwards after the first (the prefill) count as calls that can fail."""
+
+    supports_speculative_rollback = True  # the wrapped models' layers record
+
+    def __init__(self, inner, faults, role):
+        self.inner, self.faults, self.role, self.calls = inner, faults, role, 0
         self.args, self.layers = inner.args, inner.layers
 
     def make_cache(self):
@@ -90,28 +214,86 @@ class FlakyDraft:
 
     def __call__(self, inputs, cache=None):
         self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("draft exploded")
+        if self.calls > 1:
+            self.faults.tick(f"{self.role} forward")
         return self.inner(inputs, cache=cache)
 
 
-def test_draft_exception_surfaces_and_caches_rewind():
-    target = model("gpt_oss_tf5")
-    draft = FlakyDraft(model("qwen3_tf5"), fail_at=8)
-    cache = make_prompt_cache(target) + make_prompt_cache(draft)
-    yielded = []
-    with pytest.raises(RuntimeError, match="draft exploded"):
-        for token, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
-                                                     max_tokens=NUM_TOKENS, prompt_cache=cache):
-            yielded.append(token)
-    assert yielded  # it failed mid-run, after some rounds
-    # After an exception the caches hold the delivered sequence minus its last token.
-    held = PROMPT.size + len(yielded) - 1
-    assert all(c.offset == held for c in cache)
-    target_cache = cache[: len(target.layers)]
-    resume = mx.array(yielded[-1:])
-    everything = mx.concatenate([PROMPT, mx.array(yielded)])
-    assert plain(target, resume, 6, target_cache) == plain(target, everything, 6)
+# (target, max_kv_size, draft noise): GDN + KV layers; sliding windows (12 < the prompt)
+# on a fast model. With these noises (seed 1) round 1 accepts everything, round 2 part.
+FAULT_PAIRS = [("qwen3_5_tf4", None, 0.02), ("llama_tf4", 12, NOISE)]
+FAULT_K, FAULT_TOKENS = 2, 14
+
+
+def faulty_run(target, draft, faults, max_kv_size):
+    """Run with `faults`; returns (tokens yielded, the exception raised or None, cache)."""
+    cache = make_prompt_cache(target, max_kv_size) + make_prompt_cache(draft, max_kv_size)
+    yielded, raised = [], None
+    generator = speculative_generate_step(
+        PROMPT, Watched(target, faults, "target"), Watched(draft, faults, "draft"),
+        num_draft_tokens=FAULT_K, max_tokens=FAULT_TOKENS, prompt_cache=cache,
+        sampler=faults.sampler, logits_processors=[faults.processor],
+    )
+    try:
+        for token, _, from_draft in generator:
+            yielded.append((token, from_draft))
+    except BaseException as e:  # KeyboardInterrupt too
+        raised = e
+    return yielded, raised, cache
+
+
+@pytest.fixture(scope="module", params=FAULT_PAIRS, ids=lambda pair: f"{pair[0]}-window{pair[1]}")
+def fault_pair(request):
+    name, max_kv_size, noise = request.param
+    return name, model(name), perturb(model(name), noise, seed=1), max_kv_size
+
+
+def test_failure_at_every_call_of_a_round_leaves_both_caches_consistent(fault_pair):
+    """Each call of the first rounds fails once (RuntimeError or KeyboardInterrupt,
+    alternately): the error surfaces unchanged, and target and draft both hold the
+    prompt + yielded tokens but the last, also after a fully accepted round."""
+    name, target, draft, window = fault_pair
+    baseline = Faults()
+    out, raised, _ = faulty_run(target, draft, baseline, window)
+    assert raised is None
+    rounds = accepted_per_round([(t, None, d) for t, d in out])
+    # Sweep three rounds: the second follows a fully accepted one (before the fix the
+    # draft was two tokens behind there) and rolls back part of its drafts.
+    assert rounds[0] == FAULT_K and 0 < rounds[1] < FAULT_K, rounds
+    last_call = [i for i, e in enumerate(baseline.events) if e == "sync"][2] + 2
+    assert {"processor", "sampler", "sync", "draft forward", "target forward"} <= set(baseline.events[:last_call])
+    for fail_at in range(1, last_call + 1):
+        error = KeyboardInterrupt if fail_at % 2 else RuntimeError
+        faults = Faults(fail_at, error)
+        yielded, raised, cache = faulty_run(target, draft, faults, window)
+        where = f"{name}: failed at call {fail_at} ({faults.events[-1]})"
+        assert type(raised) is error and str(raised).startswith(f"injected at call {fail_at}:"), where
+        tokens = (PROMPT.tolist() + [t for t, _ in yielded])[:-1]
+        target_cache, draft_cache = split(target, cache)
+        assert_holds(target, target_cache, tokens, exact=False, where=where, max_kv_size=window)
+        assert_holds(draft, draft_cache, tokens, exact=True, where=where, max_kv_size=window)
+
+
+def test_close_or_throw_at_every_yield(fault_pair):
+    """close() at any yield leaves prompt + yielded tokens; an exception thrown in at
+    a yield leaves them minus the last (the round may have committed more)."""
+    name, target, draft, window = fault_pair
+    for num_taken in range(1, 8):
+        for how in ("close", "throw"):
+            cache = make_prompt_cache(target, window) + make_prompt_cache(draft, window)
+            generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=FAULT_K,
+                                                  max_tokens=FAULT_TOKENS, prompt_cache=cache)
+            tokens = PROMPT.tolist() + [t for t, _, _ in (next(generator) for _ in range(num_taken))]
+            if how == "close":
+                generator.close()
+            else:
+                with pytest.raises(ValueError, match="thrown in"):
+                    generator.throw(ValueError("thrown in"))
+                tokens = tokens[:-1]
+            target_cache, draft_cache = split(target, cache)
+            where = f"{name}: {how} after {num_taken} tokens"
+            assert_holds(target, target_cache, tokens, exact=False, where=where, max_kv_size=window)
+            assert_holds(draft, draft_cache, tokens, exact=True, where=where, max_kv_size=window)
 
 
 class RecurrentOnly:
@@ -128,21 +310,136 @@ class RecurrentOnly:
         return self.inner(inputs)
 
 
-def test_unsupported_caches_and_vocabularies_fail_before_any_work():
+def test_unsupported_caches_and_arguments_fail_before_any_work():
     target = model("llama_tf4")
     recurrent = RecurrentOnly(model("qwen3_tf5"))
     for t, d, role in ((target, recurrent, "draft model"), (recurrent, target, "target model")):
         with pytest.raises(ValueError, match=f"every cache of the {role}.*ArraysCache"):
             next(speculative_generate_step(PROMPT, t, d))
     assert recurrent.calls == 0
-    other_vocab = model("llama_tf4")
-    other_vocab.args.vocab_size = 300
-    with pytest.raises(ValueError, match=r"Draft model vocabulary \(300\) != target vocabulary \(256\)"):
-        next(speculative_generate_step(PROMPT, target, other_vocab))
     with pytest.raises(ValueError, match="num_draft_tokens"):
         next(speculative_generate_step(PROMPT, target, target, num_draft_tokens=0))
     with pytest.raises(ValueError, match="speculation needs the target's 2 followed by the draft's 2"):
         next(speculative_generate_step(PROMPT, target, target, prompt_cache=[KVCache()]))
+
+
+# ---------------------------------------------------------------------------
+# Drafts whose embedding table is padded to another size; tokenizers that differ.
+
+
+def with_table(source, rows):
+    """`source` (a llama) with its embedding and output tables cut or padded to `rows`.
+    Padding rows of the output table are 3x the first rows', so whenever the best
+    logit is positive a padding id would beat it: proposals beyond the target's table
+    would follow at once if the loop did not mask them."""
+    embed, head = source.model.embed_tokens.weight, source.lm_head.weight
+    if rows > embed.shape[0]:
+        extra = rows - embed.shape[0]
+        embed = mx.concatenate([embed, embed[:extra]])
+        head = mx.concatenate([head, 3 * head[:extra]])
+    source.model.embed_tokens = nn.Embedding(rows, embed.shape[1])
+    source.model.embed_tokens.weight = embed[:rows]
+    source.lm_head = nn.Linear(head.shape[1], rows, bias=False)
+    source.lm_head.weight = head[:rows]
+    source.args.vocab_size = rows
+    return source
+
+
+def test_draft_tables_of_another_size_use_the_shared_range():
+    """A larger draft table never proposes ids the target lacks; a smaller one is fed
+    id 0 for committed ids beyond it, and its logits are widened with -inf so logits
+    processors (built for the target's ids) apply to it too. Output is the target's."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    target = model("llama_tf4")
+    processors = make_logits_processors(logit_bias={250: 1.0}, repetition_penalty=1.5)
+    want = plain(target)
+    want_processed = [t for t, _ in generate_step(PROMPT, target, max_tokens=16, logits_processors=processors)]
+    for rows in (512, 200):
+        draft = with_table(noisy("llama_tf4"), rows)
+        cache = make_prompt_cache(target) + make_prompt_cache(draft)
+        stats = SpeculationStats()
+        out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
+                                             max_tokens=NUM_TOKENS, prompt_cache=cache, stats=stats))
+        assert [t for t, _, _ in out] == want, f"draft table {rows}"
+        assert stats.num_accepted > 0, f"draft table {rows}"
+        tokens = PROMPT.tolist() + want
+        target_cache, draft_cache = split(target, cache)
+        assert_holds(target, target_cache, tokens, exact=False)
+        if rows < 256:
+            assert any(t >= rows for t in tokens)  # the draft was fed ids beyond its table
+            tokens = [t if t < rows else 0 for t in tokens]
+        assert_holds(draft, draft_cache, tokens, exact=True)
+        processed = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=16,
+                                              logits_processors=processors)
+        assert [t for t, _, _ in processed] == want_processed, f"draft table {rows}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    """Tiny qwen3 checkpoints: a target; a draft with the same tokenizer and a larger
+    table; drafts whose tokenizer swaps two tokens, or names another EOS."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    target = write_checkpoint(root / "target", TINY_CONFIGS["qwen3"], seed=5)
+    padded = root / "padded"
+    shutil.copytree(target, padded)
+    weights = with_noise(mx.load(str(target / "model.safetensors")), NOISE)
+    embed = weights["model.embed_tokens.weight"]  # tied: also the output table
+    weights["model.embed_tokens.weight"] = mx.concatenate([embed, embed[:64]])
+    mx.save_safetensors(str(padded / "model.safetensors"), weights)
+    config = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps(dict(config, vocab_size=576)))
+    swapped = root / "swapped"
+    shutil.copytree(target, swapped)
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = [token for token, i in vocab.items() if i in (300, 301)]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    other_eos = root / "other_eos"
+    shutil.copytree(target, other_eos)
+    config = json.loads((other_eos / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|im_end|>"
+    (other_eos / "tokenizer_config.json").write_text(json.dumps(config))
+    return dict(target=target, padded=padded, swapped=swapped, other_eos=other_eos)
+
+
+def test_tokenizer_check_compares_tokens_not_table_sizes(tokenizer_dirs):
+    target, tokenizer = load(str(tokenizer_dirs["target"]))
+    padded, padded_tokenizer = load(str(tokenizer_dirs["padded"]))
+    assert padded.args.vocab_size != target.args.vocab_size
+    check_same_tokenizer(tokenizer, padded_tokenizer, "target", "padded")
+    prompt = "def fibonacci(n):"
+    want = [r.text for r in stream_generate(target, tokenizer, prompt, max_tokens=16)]
+    got = list(stream_generate(target, tokenizer, prompt, max_tokens=16, draft_model=padded, num_draft_tokens=3))
+    assert [r.text for r in got] == want and got[-1].speculation.num_accepted > 0
+
+    swapped_tokenizer = load(str(tokenizer_dirs["swapped"]))[1]
+    message = r"draft tokenizer \(B\) differs from the target's \(A\): 2 of 512 token ids differ, e\.g\. id 300 is"
+    with pytest.raises(ValueError, match=message):
+        check_same_tokenizer(tokenizer, swapped_tokenizer, "A", "B")
+    other_eos_tokenizer = load(str(tokenizer_dirs["other_eos"]))[1]
+    with pytest.raises(ValueError, match=r"differs from the target's \(A\): EOS id 0 for the target, 2 for the draft"):
+        check_same_tokenizer(tokenizer, other_eos_tokenizer, "A", "B")
+
+
+def test_loaders_refuse_a_draft_with_another_tokenizer(tokenizer_dirs):
+    from mlx_lm.server import ServedModel
+
+    target, swapped = str(tokenizer_dirs["target"]), str(tokenizer_dirs["swapped"])
+    with pytest.raises(ValueError, match=f"draft tokenizer \\({swapped}\\) differs from the target's"):
+        ServedModel(target, swapped, cache_size=0, cache_bytes=0)
+    ServedModel(target, str(tokenizer_dirs["padded"]), cache_size=0, cache_bytes=0)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_lm.generate", "--model", target, "--draft-model", swapped,
+         "--max-tokens", "4"], capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"draft tokenizer ({swapped}) differs from the target's ({target})" in errors[0]
+
+
+# ---------------------------------------------------------------------------
 
 
 def test_plain_generation_unchanged_by_a_speculation_cycle():
@@ -158,8 +455,6 @@ def test_plain_generation_unchanged_by_a_speculation_cycle():
 
 
 def test_stream_generate_with_draft_reports_speculation(tiny_model_dir):
-    from mlx_lm import load
-
     target, tokenizer = load(str(tiny_model_dir))
     draft, _ = load(str(tiny_model_dir))
     plain_text = [r.text for r in stream_generate(target, tokenizer, "def f(x):", max_tokens=16)]
@@ -173,17 +468,19 @@ def test_stream_generate_with_draft_reports_speculation(tiny_model_dir):
 
 
 def test_quantized_kv_cache_with_speculation(tmp_path):
-    """--kv-bits with a draft: caches turn quantized mid-run and still roll back; greedy
-    output equals plain generation with the same quantized caches."""
+    """--kv-bits with a draft: caches turn quantized mid-run and still roll back, also
+    several tokens at once; greedy output equals plain generation with the same
+    quantized caches."""
     config = dict(TINY_CONFIGS["llama"], num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
     target = load_model(write_checkpoint(tmp_path / "target", config, seed=3))[0]
-    draft = load_model(write_checkpoint(tmp_path / "draft", config, seed=4))[0]
+    draft = load_model(write_checkpoint(tmp_path / "draft", config, seed=3, noise=NOISE))[0]
     kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=24)
     want = [t for t, _ in generate_step(PROMPT, target, max_tokens=20, **kv)]
     cache = make_prompt_cache(target) + make_prompt_cache(draft)
-    got = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
-                                                      max_tokens=20, prompt_cache=cache, **kv)]
-    assert got == want
+    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
+                                         max_tokens=20, prompt_cache=cache, **kv))
+    assert [t for t, _, _ in out] == want
+    assert any(0 < n < 3 for n in accepted_per_round(out)[:-1]), accepted_per_round(out)
     assert all(type(c).__name__ == "QuantizedKVCache" and c.offset == PROMPT.size + 20 for c in cache)
 
 
@@ -192,10 +489,11 @@ def test_logits_processors_apply_as_in_plain_generation():
     position with the history that position would have had, so outputs still match."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    target, draft = model("qwen3_next_tf5"), model("qwen3_tf5")
+    target, draft = model("qwen3_next_tf5"), noisy("qwen3_next_tf5")
     processors = make_logits_processors(repetition_penalty=3.0, repetition_context_size=8)
     want = [t for t, _ in generate_step(PROMPT, target, max_tokens=24, logits_processors=processors)]
     assert want != plain(target, num_tokens=24)
-    got = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=24,
-                                    logits_processors=processors)
-    assert [t for t, _, _ in got] == want
+    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=24,
+                                         logits_processors=processors))
+    assert [t for t, _, _ in out] == want
+    assert any(0 < n < 3 for n in accepted_per_round(out)[:-1]), accepted_per_round(out)
