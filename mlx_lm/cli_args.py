@@ -16,7 +16,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`--help` lists every option's default, except where there is none to tell."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, (), []) or isinstance(action, argparse._StoreTrueAction):
+        if action.default in (None, "", (), []) or isinstance(action, argparse._StoreTrueAction):
             return action.help or ""
         return super()._get_help_string(action)
 

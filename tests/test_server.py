@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import openai
 import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
@@ -23,7 +24,8 @@ from server_harness import start_server
 from mlx_lm.generate import generate
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.openai_api import ServerDefaults, StopStringFilter, parse_request
-from mlx_lm.server import GenerationWorker, Job, ModelProvider, main, parse_size, setup_arg_parser
+from mlx_lm.server import main, parse_size, setup_arg_parser
+from mlx_lm.serving import GenerationWorker, Job, ModelProvider
 from mlx_lm.utils import load
 
 MAX_TOKENS = 12
@@ -314,6 +316,7 @@ def test_model_names(servers, model_dirs):
                                                 temperature=0)
     assert response.choices[0].text == reference(model_dirs["gpt_oss"], prompt="Other")
     assert response.model == model_dirs["gpt_oss"].name
+    assert "Compute dtype: float32 (auto: " in dense.log()  # the start-up log says what --dtype chose
 
 
 def test_concurrent_clients_get_their_own_answers(dense_server):
@@ -417,7 +420,9 @@ def test_chat_template_override_and_cli_defaults(model_dirs):
     assert served.encode(request) == served.tokenizer.encode("hi!", add_special_tokens=False)
     assert not served.snapshot_prompts  # KV caches only: trimming covers every reuse
     args = setup_arg_parser().parse_args(["--model", "m"])
-    assert (args.host, args.port, args.max_tokens, args.num_draft_tokens, args.prompt_cache_size) == (
-        "127.0.0.1", 8080, 512, 3, 10)
+    assert (args.host, args.port, args.max_tokens, args.num_draft_tokens, args.prompt_cache_size, args.dtype) == (
+        "127.0.0.1", 8080, 512, 3, 10, "auto")
+    half = ModelProvider(str(model_dirs["dense"]), None, False, 10, 1 << 40, None, dtype="float16").default
+    assert {p.dtype for _, p in tree_flatten(half.model.parameters())} == {mx.float16}
     with pytest.raises(SystemExit):
         main(["--model", "m", "--temp", "-1"])

@@ -424,7 +424,7 @@ def test_tokenizer_check_compares_tokens_not_table_sizes(tokenizer_dirs):
 
 
 def test_loaders_refuse_a_draft_with_another_tokenizer(tokenizer_dirs):
-    from mlx_lm.server import ServedModel
+    from mlx_lm.serving import ServedModel
 
     target, swapped = str(tokenizer_dirs["target"]), str(tokenizer_dirs["swapped"])
     with pytest.raises(ValueError, match=f"draft tokenizer \\({swapped}\\) differs from the target's"):

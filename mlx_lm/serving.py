@@ -1,0 +1,485 @@
+"""What `mlx_lm.server` serves: the loaded models (ServedModel, ModelProvider) and the
+one worker thread that runs every MLX computation (GenerationWorker). No HTTP here.
+
+Serving. The model (and `--draft-model`) is loaded once. Request handler threads
+parse, validate and tokenize (tokenizing needs no MLX); every MLX computation runs on
+one worker thread that takes jobs from a queue, so generation is serialised and
+responses never interleave.
+
+Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
+with a 400 on the handler thread, before any model work; a text too long to fit even
+at the vocabulary's longest token per token is refused before tokenizing. Answers are
+clipped to the context left after the prompt. Stop strings are bounded in number and
+length (openai_api.py), and the prompt cache in entries and bytes (by default a
+quarter of the memory free after loading).
+
+Cancellation. A client that disconnects (noticed at a failed write, or while waiting by
+polling the socket: end of input may be a half-close, so it is tested with a write the
+client ignores) has its job cancelled. The worker checks after every prefill
+step, of the target and the draft alike (the server prefills both itself, a step of
+each at a time, because `stream_generate` cannot cancel a draft prefill), and after
+every generated token; it then closes the generator, or stops prefilling, and stores
+the cache under exactly the tokens it holds (a retry of a long prompt resumes there).
+
+Prompt cache (`lru_prompt_cache.LRUPromptCache`). After `stream_generate` stops (EOS,
+length, a stop string or a cancel) the cache holds the prompt plus every generated
+token it returned (for speculation: target and draft alike, rollback included), so
+the cache is stored under `prompt + generated tokens`. Caches that may become
+untrimmable (recurrent ArraysCache layers, sliding-window RotatingKVCache layers) can
+only be reused through keys that are strict prefixes of a later prompt, so for them
+the worker also stores, after prefill, a copy under `prompt[:-1]`: it serves an
+identical request and the next turn of a chat, whose prompt extends this one even
+when the chat template renders the answer differently from the generated tokens (that
+turn prefills its new tokens plus one). A copy under the whole prompt would save that
+one token at the cost of a second copy of the cache and a one-token forward on every
+request, so there is none. Reuse is exact: identical greedy requests give identical
+outputs, with or without a draft model.
+"""
+
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Callable, Generator, List, Optional
+
+import mlx.core as mx
+
+from .generate import GenerationResponse, check_can_speculate, check_same_tokenizer, prefill, stream_generate
+from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
+from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+from .openai_api import (
+    DEFAULT_MODEL_NAME,
+    GenerationRequest,
+    GenerationResult,
+    RequestError,
+    StopStringFilter,
+    TokenLogprob,
+)
+from .sample_utils import make_logits_processors, make_sampler
+
+log = logging.getLogger("mlx_lm.server")
+
+
+def _always_trimmable(entry: Any) -> bool:
+    if isinstance(entry, CacheList):
+        return all(_always_trimmable(c) for c in entry.caches)
+    return isinstance(entry, (KVCache, QuantizedKVCache))
+
+
+# The prompt limit of a model whose config.json names no context length.
+FALLBACK_CONTEXT_LENGTH = 32768
+# The share of free memory the prompt cache may fill by default: the rest is left for
+# the running request's own cache and activations.
+PROMPT_CACHE_MEMORY_FRACTION = 0.25
+FALLBACK_PROMPT_CACHE_BYTES = 2 << 30
+
+
+def context_length(config: dict) -> Optional[int]:
+    """The context a checkpoint was trained for: `max_position_embeddings`, at the top
+    level (llama, qwen2, qwen3, qwen3_next, gpt_oss) or in `text_config` (qwen3_5,
+    qwen3_5_moe); None if the config names none."""
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def available_memory() -> Optional[int]:
+    """Bytes free for caches now: on a GPU its free memory (CUDA), or what Metal
+    recommends the GPU use of unified memory less what MLX holds (the weights);
+    otherwise the operating system's available memory. None if unknown."""
+    try:
+        info = mx.device_info()
+    except AttributeError:  # older mlx: only mx.metal.device_info, absent off macOS
+        info = {}
+    if "free_memory" in info:
+        return int(info["free_memory"])
+    if "max_recommended_working_set_size" in info:
+        return max(0, int(info["max_recommended_working_set_size"]) - mx.get_active_memory())
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_prompt_cache_bytes() -> int:
+    free = available_memory()
+    return FALLBACK_PROMPT_CACHE_BYTES if free is None else int(free * PROMPT_CACHE_MEMORY_FRACTION)
+
+
+class ServedModel:
+    """A loaded model (plus optional draft), its tokenizer and its prompt cache.
+
+    Prompt limit: `max_prompt_tokens`, by default the target's context (see
+    `context_length`). A draft with a shorter context does not lower it: every emitted
+    token is the target's, so past its context a draft only guesses worse. Requests ask
+    for at most `max_tokens`, clipped so that prompt and answer fit in the larger of the
+    context and `max_prompt_tokens` (the answer then ends with finish_reason "length").
+    `cache_bytes` None: PROMPT_CACHE_MEMORY_FRACTION of the memory free after loading."""
+
+    def __init__(self, path: str, draft_path: Optional[str], cache_size: int, cache_bytes: Optional[int],
+                 chat_template: Optional[str] = None, max_prompt_tokens: Optional[int] = None,
+                 dtype: Optional[str] = None):
+        from .utils import load
+
+        self.name = path
+        self.model, self.tokenizer, config = load(path, return_config=True, dtype=dtype)
+        if chat_template:
+            self.tokenizer.chat_template = chat_template
+        self.draft_model = None
+        self.draft_name = draft_path
+        self.draft_context_length = None
+        if draft_path is not None:
+            self.draft_model, draft_tokenizer, draft_config = load(draft_path, return_config=True, dtype=dtype)
+            check_same_tokenizer(self.tokenizer, draft_tokenizer, path, draft_path)
+            self.draft_context_length = context_length(draft_config)
+        self.context_length = context_length(config)
+        if max_prompt_tokens is not None:
+            self.max_prompt_tokens, self.prompt_limit_source = max_prompt_tokens, "the server's --max-prompt-tokens"
+        elif self.context_length is not None:
+            self.max_prompt_tokens = self.context_length
+            self.prompt_limit_source = "the model's context, max_position_embeddings in its config.json"
+        else:
+            self.max_prompt_tokens = FALLBACK_CONTEXT_LENGTH
+            self.prompt_limit_source = "a default: the model's config.json names no context length"
+        self.max_total_tokens = max(self.max_prompt_tokens, self.context_length or 0)
+        # A text longer than this many characters per allowed token cannot fit: refused
+        # before tokenizing. Vocabulary spellings are at least as long as the text a
+        # token covers (byte-level BPE spells each byte as one character).
+        self.longest_token_chars = max(len(t) for t in self.tokenizer.get_vocab())
+        if cache_bytes is None:
+            cache_bytes = default_prompt_cache_bytes()
+        self.prompt_cache = LRUPromptCache(cache_size, cache_bytes)
+        fresh = self.make_cache()
+        if self.draft_model is not None:
+            # Validate before serving: otherwise every request would fail (upstream #1446).
+            num_target = len(self.model.layers)
+            check_can_speculate(self.model, fresh[:num_target], "target model")
+            check_can_speculate(self.draft_model, fresh[num_target:], "draft model")
+        # Only strict-prefix keys can reuse a cache that may not trim (module docstring).
+        self.snapshot_prompts = cache_size > 0 and not all(_always_trimmable(c) for c in fresh)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    def make_cache(self) -> List[Any]:
+        """The target's cache entries, then the draft's."""
+        prompt_cache = make_prompt_cache(self.model)
+        if self.draft_model is not None:
+            prompt_cache += make_prompt_cache(self.draft_model)
+        return prompt_cache
+
+    def _too_long(self, size: str) -> RequestError:
+        return RequestError(400, f"the prompt has {size}; this server accepts prompts of at most "
+                                 f"{self.max_prompt_tokens} tokens ({self.prompt_limit_source}): shorten it")
+
+    def encode(self, request: GenerationRequest) -> List[int]:
+        """The request's prompt tokens, refused (400) past the prompt limit or when they
+        leave no room for an answer. Needs no MLX, so the server calls it on the
+        request's own thread: a huge prompt never occupies the generation worker."""
+        tokens = self._tokenize(request)
+        if not tokens:
+            raise RequestError(400, "the prompt is empty after tokenization")
+        if len(tokens) > self.max_prompt_tokens:
+            raise self._too_long(f"{len(tokens)} tokens")
+        self.max_new_tokens(len(tokens), 1)
+        return tokens
+
+    def _tokenize(self, request: GenerationRequest) -> List[int]:
+        if request.kind == "text" and isinstance(request.prompt, list):
+            if len(request.prompt) > self.max_prompt_tokens:  # before looking at each id
+                raise self._too_long(f"{len(request.prompt)} tokens")
+            bad = [t for t in request.prompt if t >= self.vocab_size]
+            if bad:
+                raise RequestError(400, f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+            return list(request.prompt)
+        if request.kind == "text":
+            text, kwargs = request.prompt, {}
+        else:
+            text, kwargs = self._render(request), {"add_special_tokens": False}
+        if len(text) > self.max_prompt_tokens * self.longest_token_chars:
+            raise self._too_long(f"{len(text)} characters, more than {self.max_prompt_tokens} tokens of at most "
+                                 f"{self.longest_token_chars} characters each can hold")
+        return self.tokenizer.encode(text, **kwargs)
+
+    def _render(self, request: GenerationRequest) -> str:
+        if not self.tokenizer.has_chat_template:
+            raise RequestError(400, f"{self.name} has no chat template: use /v1/completions, or start the server with --chat-template")
+        kwargs = dict(request.chat_template_kwargs)
+        if request.tools:
+            kwargs["tools"] = request.tools
+        try:
+            return self.tokenizer.apply_chat_template(
+                request.messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # jinja raises its own types, templates call raise_exception
+            raise RequestError(400, f"the chat template could not render these messages: {e}") from None
+
+    def max_new_tokens(self, num_prompt: int, requested: int) -> int:
+        """`requested`, clipped to the room the context leaves after the prompt."""
+        room = self.max_total_tokens - num_prompt
+        if room < 1:
+            raise RequestError(400, f"the prompt's {num_prompt} tokens fill this server's context of "
+                                    f"{self.max_total_tokens} tokens and leave no room for an answer: shorten it")
+        return min(requested, room)
+
+    def prefill(self, tokens: List[int], prompt_cache: List[Any], step: int,
+                progress: Callable[[int, int], None]) -> List[int]:
+        """Feed all of `tokens` but the last to the target and the draft, `step` tokens
+        at a time and each step to both, calling `progress(done, total)` after each
+        (it may raise to cancel); returns the last token. Same chunks as
+        `generate.prefill`, so the caches are the ones `stream_generate` would build."""
+        num_target = len(self.model.layers)
+        parts = [(self.model, prompt_cache[:num_target])]
+        if self.draft_model is not None:
+            parts.append((self.draft_model, prompt_cache[num_target:]))
+        prompt = mx.array(tokens)
+        for start in range(0, len(tokens) - 1, step):
+            end = min(start + step, len(tokens) - 1)
+            for model, cache in parts:
+                # generate.prefill feeds all it is given but the last: tokens[start:end].
+                prefill(model, prompt[start : end + 1], cache, step, lambda done, total: None)
+            progress(end, len(tokens))
+        return tokens[-1:]
+
+
+class Job:
+    """One request on its way through the worker. `events` carries, in order:
+    ("keepalive", done, total)* and ("delta", text, [TokenLogprob])* (streams only),
+    then ("done", GenerationResult) or ("error", status, message). `tokens`: the
+    prompt, if already tokenized (and checked against the prompt limit)."""
+
+    def __init__(self, request: GenerationRequest, model_key: Optional[str], tokens: Optional[List[int]] = None):
+        self.request = request
+        self.model_key = model_key
+        self.tokens = tokens
+        self.events: "queue.Queue[tuple]" = queue.Queue()
+        self.cancelled = threading.Event()
+
+
+def model_id(path: str) -> str:
+    """The public name of a model: a local directory's name (never its path, which
+    tells clients about the server's disk), or the repo id as given."""
+    local = Path(path).expanduser()
+    return local.resolve().name if local.exists() else path
+
+
+class ModelProvider:
+    """Maps request model names to the served model. With `allow_other_models`,
+    requests may also name another local model directory, loaded on demand in place of
+    the previous such model (never downloaded; no draft model)."""
+
+    def __init__(self, model_path: str, draft_path: Optional[str], allow_other_models: bool,
+                 cache_size: int, cache_bytes: Optional[int], chat_template: Optional[str],
+                 max_prompt_tokens: Optional[int] = None, dtype: Optional[str] = None):
+        self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template, max_prompt_tokens,
+                                   dtype)
+        self.model_id = model_id(model_path)
+        self.names = {model_path, self.model_id, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
+                      DEFAULT_MODEL_NAME}
+        self.draft_names = {None, DEFAULT_MODEL_NAME}
+        if draft_path is not None:
+            self.draft_names |= {draft_path, Path(draft_path).name, str(Path(draft_path).expanduser().resolve())}
+        self.allow_other_models = allow_other_models
+        self.cache_size, self.cache_bytes, self.chat_template = cache_size, cache_bytes, chat_template
+        self.max_prompt_tokens, self.dtype = max_prompt_tokens, dtype
+        self.other: Optional[ServedModel] = None  # touched by the worker only
+
+    def resolve(self, request: GenerationRequest) -> Optional[str]:
+        """None for the served model, else the path of another local model; raises 404."""
+        if request.draft_model not in self.draft_names:
+            served = "no draft model" if self.default.draft_name is None else model_id(self.default.draft_name)
+            raise RequestError(404, f"draft model {request.draft_model!r} is not served here (this server uses {served})")
+        if request.model is None or request.model in self.names:
+            return None
+        hint = f"this server serves {self.model_id!r}; name it or {DEFAULT_MODEL_NAME!r}"
+        if not self.allow_other_models:
+            raise RequestError(404, f"model {request.model!r} is not served here: {hint} "
+                                    "(the operator can allow other local models with --allow-other-models)")
+        path = Path(request.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise RequestError(404, f"model {request.model!r} is not a local model directory with a config.json "
+                                    f"(the server never downloads models): {hint}")
+        if request.draft_model not in (None, DEFAULT_MODEL_NAME) or request.num_draft_tokens is not None:
+            raise RequestError(400, f"speculative decoding is only available with {self.model_id!r}")
+        return str(path.resolve())
+
+    def get(self, key: Optional[str]) -> ServedModel:
+        if key is None:
+            return self.default
+        if self.other is None or self.other.name != key:
+            self.other = None  # free the previous one before loading
+            log.info("Loading %s", key)
+            try:
+                self.other = ServedModel(key, None, self.cache_size, self.cache_bytes, self.chat_template,
+                                         self.max_prompt_tokens, self.dtype)
+            except (ValueError, FileNotFoundError) as e:
+                raise RequestError(400, f"could not load model {key!r}: {e}") from None
+        return self.other
+
+    def make_job(self, request: GenerationRequest) -> Job:
+        """Resolve the model and, for the served one, tokenize on the calling (request)
+        thread; another model's prompt is tokenized by the worker once it is loaded."""
+        key = self.resolve(request)
+        return Job(request, key, self.default.encode(request) if key is None else None)
+
+
+class _Cancelled(Exception):
+    """The client went away during prefill, after `num_fed` of `total` prompt tokens."""
+
+    def __init__(self, num_fed: int, total: int):
+        super().__init__(num_fed, total)
+        self.num_fed, self.total = num_fed, total
+
+
+class GenerationWorker:
+    """Runs jobs one at a time (call `run_forever` on its own thread)."""
+
+    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, default_num_draft_tokens: int = 3):
+        self.provider = provider
+        self.prefill_step_size = prefill_step_size
+        self.default_num_draft_tokens = default_num_draft_tokens
+        self.jobs: "queue.Queue[Job]" = queue.Queue()
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def run_forever(self) -> None:
+        while True:
+            self.run(self.jobs.get())
+
+    def run(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            log.info("Client disconnected while queued; request dropped")
+            return
+        try:
+            job.events.put(("done", self.generate(job)))
+        except RequestError as e:
+            job.events.put(("error", e.status, e.message))
+        except _Cancelled as e:
+            log.info("Client disconnected during prefill (%d of %d prompt tokens fed); request dropped",
+                     e.num_fed, e.total)
+        except Exception as e:  # the server stays up; the client learns why
+            log.exception("Generation failed")
+            job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+
+    def _sampling(self, served: ServedModel, request: GenerationRequest):
+        bad = [t for t in request.logit_bias if t >= served.vocab_size]
+        if bad:
+            raise RequestError(400, f"logit_bias token ids {bad[:5]} are outside the vocabulary (size {served.vocab_size})")
+        try:
+            sampler = make_sampler(**request.sampling, xtc_special_tokens=sorted(served.tokenizer.eos_token_ids))
+            processors = make_logits_processors(request.logit_bias, **request.penalties)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        return sampler, processors
+
+    def _progress(self, job: Job, num_fed: int, total: int) -> Callable[[int, int], None]:
+        """Prefill callback: keepalives for streams, and the cancel check."""
+        def progress(done: int, _: int) -> None:
+            if job.cancelled.is_set():
+                raise _Cancelled(num_fed + done, total)
+            if job.request.stream:
+                job.events.put(("keepalive", num_fed + done, total))
+
+        return progress
+
+    def generate(self, job: Job) -> GenerationResult:
+        request = job.request
+        served = self.provider.get(job.model_key)
+        if request.num_draft_tokens is not None and served.draft_model is None:
+            raise RequestError(400, "num_draft_tokens needs a server started with --draft-model")
+        tokens = job.tokens if job.tokens is not None else served.encode(request)
+        max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
+        sampler, processors = self._sampling(served, request)
+        if request.seed is not None:
+            mx.random.seed(request.seed % (1 << 64))
+        fetched = served.prompt_cache.fetch(tokens)
+        prompt_cache = fetched.prompt_cache or served.make_cache()
+        # Prefilled here, not by stream_generate, whose draft prefill cannot be cancelled.
+        progress = self._progress(job, fetched.num_cached, len(tokens))
+        lru = served.prompt_cache
+        try:
+            remaining = served.prefill(fetched.remaining, prompt_cache, self.prefill_step_size, progress)
+        except _Cancelled as e:
+            # Both halves hold exactly the tokens fed so far: keep them, so a client that
+            # retries the prompt (after its own timeout, say) resumes rather than restarts.
+            if e.num_fed > fetched.num_cached:
+                lru.insert(tokens[: e.num_fed], prompt_cache)
+            raise
+        if served.snapshot_prompts and len(tokens) > 1 and tokens[:-1] not in lru:
+            lru.insert(tokens[:-1], copy_prompt_cache(prompt_cache))  # see the module docstring
+        num_fed = len(tokens) - 1
+        if processors and num_fed:
+            # The generator sees only the tokens it is fed; penalties must also see the
+            # part of the prompt already in the cache.
+            seen = mx.array(tokens[:num_fed])
+            processors = [lambda history, logits, p=p: p(mx.concatenate([seen, history]), logits) for p in processors]
+        kwargs = {}
+        if served.draft_model is not None:
+            kwargs = dict(draft_model=served.draft_model,
+                          num_draft_tokens=request.num_draft_tokens or self.default_num_draft_tokens)
+        responses = stream_generate(
+            served.model, served.tokenizer, mx.array(remaining), max_tokens,
+            sampler=sampler, logits_processors=processors, prompt_cache=prompt_cache,
+            prefill_step_size=self.prefill_step_size,
+            prompt_progress_callback=self._progress(job, num_fed, len(tokens)), **kwargs,
+        )
+        return self._consume(job, served, responses, tokens, prompt_cache, fetched.num_cached)
+
+    def _consume(self, job: Job, served: ServedModel, responses: Generator[GenerationResponse, None, None],
+                 tokens: List[int], prompt_cache: List[Any], num_cached: int) -> GenerationResult:
+        """Stream the responses out; afterwards store the cache under what it holds."""
+        request, stops = job.request, StopStringFilter(job.request.stop)
+        generated, text, logprobs = [], "", []
+        finish_reason, speculation = None, None
+        try:
+            for response in responses:
+                generated.append(response.token)
+                speculation = response.speculation
+                entries = []
+                if response.finish_reason != "stop" and request.logprobs:
+                    entries = [self._logprob(served, response, request.top_logprobs)]
+                delta, stopped = stops.add(response.text)
+                finish_reason = "stop" if stopped else response.finish_reason
+                if finish_reason is not None:
+                    delta += stops.flush()
+                text += delta
+                logprobs += entries
+                if request.stream and (delta or entries):
+                    job.events.put(("delta", delta, entries))
+                if finish_reason is not None or job.cancelled.is_set():
+                    break
+        finally:
+            responses.close()  # settles the caches at exactly prompt + generated
+        served.prompt_cache.insert(tokens + generated, prompt_cache)
+        if job.cancelled.is_set():
+            log.info("Client disconnected; stopped after %d generated tokens", len(generated))
+        result = GenerationResult(text, finish_reason or "stop", len(tokens), num_cached, len(generated),
+                                  speculation, logprobs)
+        log.info("%s: %d prompt tokens (%d cached), %d generated at %.1f tokens/s%s", served.name,
+                 result.prompt_tokens, num_cached, len(generated), response.generation_tps,
+                 "" if speculation is None else
+                 f", {speculation.num_accepted}/{speculation.num_drafted} draft tokens accepted")
+        return result
+
+    @staticmethod
+    def _logprob(served: ServedModel, response, top_n: int) -> TokenLogprob:
+        row = response.logprobs
+        decode = served.tokenizer.decode
+        top = []
+        if top_n:
+            ids = mx.argpartition(-row, kth=top_n - 1)[:top_n]
+            values = row[ids].tolist()
+            top = sorted(((decode([i]), v) for i, v in zip(ids.tolist(), values)), key=lambda tv: -tv[1])
+        return TokenLogprob(decode([response.token]), row[response.token].item(), top)
