@@ -105,8 +105,11 @@ class DraftLengthPolicy:
     k = 0, a probe whose drafts were all accepted is followed by another at once, so
     recovery takes a few rounds after the first good probe, not a few intervals.
 
-    Deterministic: the same inputs give the same choices. Under greedy decoding k
-    changes only the speed, never the tokens.
+    Deterministic: the same inputs give the same choices; but the inputs include
+    wall-clock times, so the choices differ from run to run. Under greedy decoding k
+    changes only the speed, never the tokens. Under sampling the output's law is the
+    target's whatever k is, but which sample a seed gives depends on k: a run that must
+    replay exactly from a seed uses fixed().
     """
 
     def __init__(
@@ -149,20 +152,20 @@ class DraftLengthPolicy:
         self.log_seconds: List[Optional[float]] = [None] * (max_draft_tokens + 1)
         self.counts = [0] * (max_draft_tokens + 1)  # rounds that drafted k, per k
         self.num_accepted = 0
-        self.probe_step = 0
         self.last_round_all_accepted = False
 
     @classmethod
     def fixed(cls, num_draft_tokens: int) -> "DraftLengthPolicy":
         """A policy that always drafts `num_draft_tokens` (benchmarks, tests, and
         sampled runs that must replay exactly from a seed); it still keeps the
-        statistics."""
+        statistics and estimates."""
         return cls(num_draft_tokens, adaptive=False)
 
     # --- what the loop calls ---------------------------------------------------
 
     def choose(self) -> int:
-        """The number of tokens to draft this round, in 0..max_draft_tokens."""
+        """The number of tokens to draft this round, in 0..max_draft_tokens. Reads
+        only what update() learned: calling it twice in a round gives the same k."""
         if not self.adaptive:
             return self.max_draft_tokens
         num_rounds = self.num_rounds
@@ -171,9 +174,10 @@ class DraftLengthPolicy:
         if num_rounds == self.warmup_rounds:
             return 0
         best = best_draft_length(self.acceptance_estimate, self.round_costs())
+        probe, rest = divmod(num_rounds - self.warmup_rounds, self.probe_interval)
         follow_up = best == 0 and self.last_round_all_accepted
-        if follow_up or (num_rounds - self.warmup_rounds) % self.probe_interval == 0:
-            best = self._neighbour(best)
+        if follow_up or rest == 0:
+            return self._neighbour(best, upward=probe % 2 == 1)
         return best
 
     def update(self, num_draft: int, num_accepted: int, round_seconds: float) -> None:
@@ -236,11 +240,9 @@ class DraftLengthPolicy:
         error = min(max(log_seconds - self.log_seconds[k], -math.log(2)), math.log(2))
         self.log_seconds[k] += self.cost_rate * error
 
-    def _neighbour(self, k: int) -> int:
-        """k + 1 or k - 1, alternating between calls, kept within 0..max."""
-        self.probe_step += 1
-        step = 1 if self.probe_step % 2 else -1
-        candidate = k + step
+    def _neighbour(self, k: int, *, upward: bool) -> int:
+        """k + 1 if upward else k - 1, or the other one at the ends of 0..max."""
+        candidate = k + 1 if upward else k - 1
         if not 0 <= candidate <= self.max_draft_tokens:
-            candidate = k - step
+            candidate = k - 1 if upward else k + 1
         return min(max(candidate, 0), self.max_draft_tokens)

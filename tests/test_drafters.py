@@ -111,12 +111,13 @@ def test_follows_acceptance_down_to_plain_steps_and_back():
     schedule = lambda r: 0.0 if third <= r < 2 * third else 0.9  # noqa: E731
     choices = simulate(DraftLengthPolicy(CAP), FLOAT16, schedule, 3 * third, seed=2)["choices"]
     after_drop, after_return = choices[third : 2 * third], choices[2 * third :]
-    first_plain = after_drop.index(0)
-    assert first_plain <= 30
-    assert after_drop[first_plain:].count(0) >= 0.9 * (third - first_plain)
-    # Back to drafting within two probe intervals and a few rounds, and staying there.
+    # Down: the evidence of ~8 rounds at a high rate unwinds one rejection per round.
+    assert after_drop.index(0) <= 30
+    assert after_drop[40:].count(0) >= 0.9 * len(after_drop[40:])  # the rest are probes
+    # Back: a probe within 16 rounds, a follow-up probe after each good one, then
+    # the estimate climbs; and it stays there.
     first_back = next(i for i, k in enumerate(after_return) if k >= 2)
-    assert first_back <= 40
+    assert first_back <= 48
     assert sum(after_return[first_back + 20 :]) / len(after_return[first_back + 20 :]) >= 3
 
 
@@ -177,3 +178,9 @@ def test_constructor_rejects_bad_settings():
                      dict(max_draft_tokens=2, acceptance_memory=0.5), dict(max_draft_tokens=2, prior_accepted=0)]:
         with pytest.raises(ValueError):
             DraftLengthPolicy(**settings)
+
+
+def test_choose_only_reads_what_update_learned():
+    policy = DraftLengthPolicy(6)
+    simulate(policy, FLOAT16[:7], lambda r: 0.7, 200, seed=7)
+    assert len(set(policy.choose() for _ in range(3))) == 1
