@@ -88,22 +88,27 @@ class DraftLengthPolicy:
     still look worth a cheap draft step. Plain rounds (k = 0) tell nothing about a
     and leave the counts as they were.
 
-    Cost: for each k, an exponentially weighted mean (of logs, over about the last
-    `cost_memory` rounds that drafted k) of the seconds those rounds took: k draft
-    steps and a (k+1)-token verify, whatever the loop around them costs, no model of
-    the split needed. Costs of ks not measured yet are interpolated
-    (interpolated_costs). A cost grows stale while its k is not chosen; as contexts
-    grow that makes it look cheap, so the policy tries it and learns better, and the
-    probes below keep the neighbours of the choice fresh. The first round's time is
-    not learned from: it carries one-off work (allocations, first calls).
+    Cost: for each k, an exponentially weighted mean of the log seconds that rounds
+    drafting k took: k draft steps and a (k+1)-token verify, whatever the loop around
+    them costs, no model of the split needed. Interference (another process, a page
+    fault, the previous round's lazy rewind evaluated in this one) only ever adds time,
+    so the mean follows falls quickly (over about `cost_memory_falling` rounds) and
+    rises slowly (about `cost_memory_rising` rounds, each rise clipped to a factor of
+    2): it tracks what k costs undisturbed, and one slow round cannot make a k look
+    bad for long. Costs of ks not measured yet are interpolated (interpolated_costs).
+    The first round's time is not learned from: it carries one-off work (allocations,
+    first calls).
 
-    Choice: the first rounds draft the cap, then one plain round (so both ends of the
-    cost curve are measured); afterwards the k maximizing expected tokens per second,
-    and every `probe_interval` rounds a neighbour of it instead (k + 1 and k - 1 in
-    turn; k = 1 from k = 0), so costs stay measured around the choice and a draft that
-    starts agreeing again after a run of plain rounds is noticed. While the choice is
-    k = 0, a probe whose drafts were all accepted is followed by another at once, so
-    recovery takes a few rounds after the first good probe, not a few intervals.
+    Choice: a slow start first: k = 1, then twice the last k while every draft was
+    accepted, up to the cap; the first rejection (or the cap) ends it. A draft that
+    never agrees so costs one draft step, not a round at the cap, and a good one
+    reaches the cap in about log2(cap) + 1 rounds, its costs measured on the way.
+    Then the k maximizing expected tokens per second, and every `probe_interval`
+    rounds a neighbour of it instead (k + 1 and k - 1 in turn; k = 1 from k = 0), so
+    costs stay measured around the choice and a draft that starts agreeing again
+    after a run of plain rounds is noticed. While the choice is k = 0, a probe whose
+    drafts were all accepted is followed by another at once, so recovery takes a few
+    rounds after the first good probe, not a few intervals.
 
     Deterministic: the same inputs give the same choices; but the inputs include
     wall-clock times, so the choices differ from run to run. Under greedy decoding k
@@ -117,23 +122,22 @@ class DraftLengthPolicy:
         max_draft_tokens: int,
         *,
         adaptive: bool = True,
-        warmup_rounds: int = 2,
         probe_interval: int = 16,
         acceptance_memory: float = 8.0,
-        cost_memory: float = 4.0,
+        cost_memory_falling: float = 2.0,
+        cost_memory_rising: float = 8.0,
         prior_accepted: float = 1.0,
         prior_rejected: float = 1.0,
         prior_cost_per_draft: float = 0.3,
     ):
         if max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be at least 0, got {max_draft_tokens}")
-        if warmup_rounds < 1 or probe_interval < 2:
+        if probe_interval < 2:
+            raise ValueError(f"probe_interval must be at least 2, got {probe_interval}")
+        if min(acceptance_memory, cost_memory_falling, cost_memory_rising) < 1:
             raise ValueError(
-                f"warmup_rounds must be >= 1 and probe_interval >= 2, got {warmup_rounds} and {probe_interval}"
-            )
-        if acceptance_memory < 1 or cost_memory < 1:
-            raise ValueError(
-                f"acceptance_memory and cost_memory are counts of rounds >= 1, got {acceptance_memory} and {cost_memory}"
+                "acceptance_memory, cost_memory_falling and cost_memory_rising are counts of rounds >= 1, "
+                f"got {acceptance_memory}, {cost_memory_falling} and {cost_memory_rising}"
             )
         if prior_accepted <= 0 or prior_rejected <= 0 or prior_cost_per_draft < 0:
             raise ValueError(
@@ -142,10 +146,10 @@ class DraftLengthPolicy:
             )
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
-        self.warmup_rounds = warmup_rounds
         self.probe_interval = probe_interval
         self.acceptance_decay = 1.0 - 1.0 / acceptance_memory
-        self.cost_rate = 1.0 / cost_memory
+        self.cost_rate_falling = 1.0 / cost_memory_falling
+        self.cost_rate_rising = 1.0 / cost_memory_rising
         self.prior_cost_per_draft = prior_cost_per_draft
         self.successes = prior_accepted
         self.failures = prior_rejected
@@ -153,6 +157,8 @@ class DraftLengthPolicy:
         self.counts = [0] * (max_draft_tokens + 1)  # rounds that drafted k, per k
         self.num_accepted = 0
         self.last_round_all_accepted = False
+        self.last_num_draft = 0
+        self.slow_start_rounds: Optional[int] = None  # rounds it took; None while in it
 
     @classmethod
     def fixed(cls, num_draft_tokens: int) -> "DraftLengthPolicy":
@@ -168,15 +174,12 @@ class DraftLengthPolicy:
         only what update() learned: calling it twice in a round gives the same k."""
         if not self.adaptive:
             return self.max_draft_tokens
-        num_rounds = self.num_rounds
-        if num_rounds < self.warmup_rounds:
-            return self.max_draft_tokens
-        if num_rounds == self.warmup_rounds:
-            return 0
+        if self.slow_start_rounds is None:
+            return min(2 * self.last_num_draft if self.num_rounds else 1, self.max_draft_tokens)
         best = best_draft_length(self.acceptance_estimate, self.round_costs())
-        probe, rest = divmod(num_rounds - self.warmup_rounds, self.probe_interval)
+        probe, rest = divmod(self.num_rounds - self.slow_start_rounds, self.probe_interval)
         follow_up = best == 0 and self.last_round_all_accepted
-        if follow_up or rest == 0:
+        if follow_up or (rest == 0 and probe > 0):
             return self._neighbour(best, upward=probe % 2 == 1)
         return best
 
@@ -199,6 +202,10 @@ class DraftLengthPolicy:
         self.counts[num_draft] += 1
         self.num_accepted += num_accepted
         self.last_round_all_accepted = 0 < num_draft == num_accepted
+        self.last_num_draft = num_draft
+        still_doubling = self.last_round_all_accepted and num_draft < self.max_draft_tokens
+        if self.slow_start_rounds is None and not still_doubling:
+            self.slow_start_rounds = self.num_rounds
 
     # --- estimates and statistics ----------------------------------------------
 
@@ -235,10 +242,11 @@ class DraftLengthPolicy:
         if self.log_seconds[k] is None:
             self.log_seconds[k] = log_seconds
             return
-        # Clipped to a factor of 2 so one stalled round (another process, a page
-        # fault) cannot swing the cost by more than that.
-        error = min(max(log_seconds - self.log_seconds[k], -math.log(2)), math.log(2))
-        self.log_seconds[k] += self.cost_rate * error
+        error = log_seconds - self.log_seconds[k]
+        if error < 0:
+            self.log_seconds[k] += self.cost_rate_falling * error
+        else:
+            self.log_seconds[k] += self.cost_rate_rising * min(error, math.log(2))
 
     def _neighbour(self, k: int, *, upward: bool) -> int:
         """k + 1 if upward else k - 1, or the other one at the ends of 0..max."""

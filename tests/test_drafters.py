@@ -25,12 +25,12 @@ FLOAT16 = PROFILES["float16 demo pair (measured)"]
 NUM_ROUNDS = 1000
 
 
-def policy_over_best(costs, a, seed=0, drift=0.0) -> float:
+def policy_over_best(costs, a, seed=0, drift=0.0, stalls=0.0) -> float:
     """The policy's tokens per second over NUM_ROUNDS rounds / the best fixed k's (whose
     rounds, with a drift, take 1 + drift * (NUM_ROUNDS - 1) / (2 NUM_ROUNDS) times as
     long on average)."""
-    run = simulate(DraftLengthPolicy(CAP), costs, lambda r: a, NUM_ROUNDS, seed=seed, drift=drift)
-    mean_slowdown = 1 + drift * (NUM_ROUNDS - 1) / (2 * NUM_ROUNDS)
+    run = simulate(DraftLengthPolicy(CAP), costs, lambda r: a, NUM_ROUNDS, seed=seed, drift=drift, stalls=stalls)
+    mean_slowdown = (1 + drift * (NUM_ROUNDS - 1) / (2 * NUM_ROUNDS)) * (1 + 2 * stalls)  # a stall adds 2x its round
     return run["tokens"] / run["seconds"] / (max(fixed_rates(a, costs)) / mean_slowdown)
 
 
@@ -86,7 +86,9 @@ def test_a_draft_that_never_agrees_costs_at_most_ten_percent(profile):
     costs = PROFILES[profile]
     run = simulate(DraftLengthPolicy(CAP), costs, lambda r: 0.0, NUM_ROUNDS, seed=1)
     assert run["tokens"] / run["seconds"] >= 0.9 / costs[0]
-    assert run["choices"][-100:].count(0) >= 90  # plain rounds, bar the probes
+    # Plain rounds, bar the probes and near-ties (with the cheap draft a round of k = 1
+    # costs 1.1x a plain one, within the 10% jitter).
+    assert run["choices"][-100:].count(0) >= 80
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
@@ -104,6 +106,13 @@ def test_within_ten_percent_of_the_best_fixed_length_at_other_rates(a):
 def test_costs_that_grow_together_do_not_mislead_it():
     # A context that makes every round 1.5x slower by the end of the run.
     assert policy_over_best(FLOAT16, 0.9, drift=0.5) >= 0.95
+
+
+@pytest.mark.parametrize("a, bound", [(0.0, 0.9), (0.9, 0.93)])
+def test_stalled_rounds_do_not_mislead_it(a, bound):
+    # One round in twenty takes 3x as long, whatever its k (another process).
+    for costs in PROFILES.values():
+        assert policy_over_best(costs, a, stalls=0.05) >= bound
 
 
 def test_follows_acceptance_down_to_plain_steps_and_back():
@@ -155,13 +164,19 @@ def test_statistics_and_estimates():
     assert policy.expected_round_seconds(3) == pytest.approx(0.04, rel=0.1)  # between 2 and 4
 
 
-def test_warms_up_at_the_cap_then_takes_one_plain_round():
-    policy = DraftLengthPolicy(5)
+@pytest.mark.parametrize("cap, accepts, expected", [
+    (8, True, [1, 2, 4, 8]),  # doubles up to the cap
+    (6, True, [1, 2, 4, 6]),
+    (8, False, [1]),  # the first rejection ends the slow start
+    (0, True, [0]),
+])
+def test_slow_start_doubles_while_every_draft_is_accepted(cap, accepts, expected):
+    policy = DraftLengthPolicy(cap)
     choices = []
-    for _ in range(3):
+    while policy.slow_start_rounds is None:
         choices.append(policy.choose())
-        policy.update(choices[-1], choices[-1], 0.01)
-    assert choices == [5, 5, 0]
+        policy.update(choices[-1], choices[-1] if accepts else 0, 0.01)
+    assert choices == expected
 
 
 @pytest.mark.parametrize(
