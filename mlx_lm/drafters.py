@@ -1,0 +1,256 @@
+"""Drafting for speculative decoding: how many tokens to draft each round.
+
+DESIGN.md §3a: the draft length is chosen per round from the measured acceptance and
+the measured round costs; `num_draft_tokens` is only the cap, and k = 0 (a plain
+target step) is allowed when drafting would lose.
+"""
+
+import math
+from typing import List, Optional, Tuple
+
+# ---------------------------------------------------------------------------
+# Draft length
+# ---------------------------------------------------------------------------
+#
+# Model (Leviathan et al. 2023, arXiv:2211.17192, §3.1): each draft is accepted with
+# the same probability a, independently, until the first rejection. A round that
+# drafts k tokens then emits E(a, k) = 1 + a + ... + a^k tokens (the accepted prefix
+# plus the target's own token) for the price of k draft steps and one (k+1)-token
+# verify. The policy picks the k in 0..cap with the most expected tokens per second.
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens one round emits when it drafts k tokens, each accepted with
+    probability a until the first rejection: (1 - a^(k+1)) / (1 - a), or k + 1 at a = 1.
+    k = 0 is a plain step: one token."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def acceptance_evidence(num_draft: int, num_accepted: int) -> Tuple[int, int]:
+    """(successes, failures) that one round adds to the acceptance estimate.
+
+    The accepted prefix is a geometric count truncated at num_draft: the round saw
+    num_accepted acceptances, then one rejection unless every draft was accepted. The
+    likelihood is a^successes (1 - a)^failures, so successes / (successes + failures)
+    over many rounds is the maximum-likelihood a. (Accepted / drafted is biased low:
+    it counts the drafts after the first rejection, which were never compared.)"""
+    return num_accepted, int(num_accepted < num_draft)
+
+
+def interpolated_costs(measured: List[Optional[float]], cost_per_draft: float) -> List[float]:
+    """Relative round cost for every k from the ks measured so far (None: not yet).
+
+    Between two measured ks: linear in k. Beyond the measured ones: the nearest
+    measured cost scaled along the prior line 1 + cost_per_draft * k. Nothing measured:
+    the prior line itself. The result is what the policy divides expected tokens by."""
+    known = [k for k, cost in enumerate(measured) if cost is not None]
+    if not known:
+        return [1.0 + cost_per_draft * k for k in range(len(measured))]
+    costs = []
+    for k in range(len(measured)):
+        below = max((m for m in known if m <= k), default=None)
+        above = min((m for m in known if m >= k), default=None)
+        if below is not None and above is not None:
+            if below == above:
+                costs.append(measured[k])
+                continue
+            weight = (k - below) / (above - below)
+            costs.append((1 - weight) * measured[below] + weight * measured[above])
+            continue
+        nearest = below if below is not None else above
+        costs.append(measured[nearest] * (1 + cost_per_draft * k) / (1 + cost_per_draft * nearest))
+    return costs
+
+
+def best_draft_length(a: float, costs: List[float]) -> int:
+    """The k maximizing expected_tokens(a, k) / costs[k]; the smaller k on a tie."""
+    rates = [expected_tokens(a, k) / cost for k, cost in enumerate(costs)]
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
+class DraftLengthPolicy:
+    """Chooses how many tokens to draft each round, from what past rounds showed.
+
+    The loop calls `choose()` at the top of a round and `update(num_draft,
+    num_accepted, round_seconds)` after its verify has synced: `num_draft` is the k it
+    actually drafted (it may clip the choice, e.g. near max_tokens), `round_seconds`
+    the wall clock from the top of the round to after that sync (no extra syncs; the
+    time spent at the consumer's yields excluded).
+
+    Acceptance: exponentially weighted (successes, failures) of the rounds that
+    drafted (acceptance_evidence), each round weighing `1 - 1 / acceptance_memory` of
+    the one after it, so a is (successes) / (successes + failures) over about the last
+    acceptance_memory drafting rounds. The counts start at (prior_accepted,
+    prior_rejected) and that prior is forgotten like old evidence: a prior that stayed
+    would hold the estimate above 0 for good, and a draft that never agrees would
+    still look worth a cheap draft step. Plain rounds (k = 0) tell nothing about a
+    and leave the counts as they were.
+
+    Cost: for each k, an exponentially weighted mean of the log seconds that rounds
+    drafting k took: k draft steps and a (k+1)-token verify, whatever the loop around
+    them costs, no model of the split needed. Interference (another process, a page
+    fault, the previous round's lazy rewind evaluated in this one) only ever adds time,
+    so the mean follows falls quickly (over about `cost_memory_falling` rounds) and
+    rises slowly (about `cost_memory_rising` rounds, each rise clipped to a factor of
+    2): it tracks what k costs undisturbed, and one slow round cannot make a k look
+    bad for long. Costs of ks not measured yet are interpolated (interpolated_costs).
+    The first round's time is not learned from: it carries one-off work (allocations,
+    first calls).
+
+    Choice: a slow start first: k = 1, then twice the last k while every draft was
+    accepted, up to the cap; the first rejection (or the cap) ends it. A draft that
+    never agrees so costs one draft step, not a round at the cap, and a good one
+    reaches the cap in about log2(cap) + 1 rounds, its costs measured on the way.
+    Then the k maximizing expected tokens per second, and every `probe_interval`
+    rounds a neighbour of it instead (k + 1 and k - 1 in turn; k = 1 from k = 0), so
+    costs stay measured around the choice and a draft that starts agreeing again
+    after a run of plain rounds is noticed. While the choice is k = 0, a probe whose
+    drafts were all accepted is followed by another at once, so recovery takes a few
+    rounds after the first good probe, not a few intervals.
+
+    Deterministic: the same inputs give the same choices; but the inputs include
+    wall-clock times, so the choices differ from run to run. Under greedy decoding k
+    changes only the speed, never the tokens. Under sampling the output's law is the
+    target's whatever k is, but which sample a seed gives depends on k: a run that must
+    replay exactly from a seed uses fixed().
+    """
+
+    def __init__(
+        self,
+        max_draft_tokens: int,
+        *,
+        adaptive: bool = True,
+        probe_interval: int = 16,
+        acceptance_memory: float = 8.0,
+        cost_memory_falling: float = 2.0,
+        cost_memory_rising: float = 8.0,
+        prior_accepted: float = 1.0,
+        prior_rejected: float = 1.0,
+        prior_cost_per_draft: float = 0.3,
+    ):
+        if max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be at least 0, got {max_draft_tokens}")
+        if probe_interval < 2:
+            raise ValueError(f"probe_interval must be at least 2, got {probe_interval}")
+        if min(acceptance_memory, cost_memory_falling, cost_memory_rising) < 1:
+            raise ValueError(
+                "acceptance_memory, cost_memory_falling and cost_memory_rising are counts of rounds >= 1, "
+                f"got {acceptance_memory}, {cost_memory_falling} and {cost_memory_rising}"
+            )
+        if prior_accepted <= 0 or prior_rejected <= 0 or prior_cost_per_draft < 0:
+            raise ValueError(
+                "prior_accepted and prior_rejected must be > 0 and prior_cost_per_draft >= 0, "
+                f"got {prior_accepted}, {prior_rejected}, {prior_cost_per_draft}"
+            )
+        self.max_draft_tokens = max_draft_tokens
+        self.adaptive = adaptive
+        self.probe_interval = probe_interval
+        self.acceptance_decay = 1.0 - 1.0 / acceptance_memory
+        self.cost_rate_falling = 1.0 / cost_memory_falling
+        self.cost_rate_rising = 1.0 / cost_memory_rising
+        self.prior_cost_per_draft = prior_cost_per_draft
+        self.successes = prior_accepted
+        self.failures = prior_rejected
+        self.log_seconds: List[Optional[float]] = [None] * (max_draft_tokens + 1)
+        self.counts = [0] * (max_draft_tokens + 1)  # rounds that drafted k, per k
+        self.num_accepted = 0
+        self.last_round_all_accepted = False
+        self.last_num_draft = 0
+        self.slow_start_rounds: Optional[int] = None  # rounds it took; None while in it
+
+    @classmethod
+    def fixed(cls, num_draft_tokens: int) -> "DraftLengthPolicy":
+        """A policy that always drafts `num_draft_tokens` (benchmarks, tests, and
+        sampled runs that must replay exactly from a seed); it still keeps the
+        statistics and estimates."""
+        return cls(num_draft_tokens, adaptive=False)
+
+    # --- what the loop calls ---------------------------------------------------
+
+    def choose(self) -> int:
+        """The number of tokens to draft this round, in 0..max_draft_tokens. Reads
+        only what update() learned: calling it twice in a round gives the same k."""
+        if not self.adaptive:
+            return self.max_draft_tokens
+        if self.slow_start_rounds is None:
+            return min(2 * self.last_num_draft if self.num_rounds else 1, self.max_draft_tokens)
+        best = best_draft_length(self.acceptance_estimate, self.round_costs())
+        probe, rest = divmod(self.num_rounds - self.slow_start_rounds, self.probe_interval)
+        follow_up = best == 0 and self.last_round_all_accepted
+        if follow_up or (rest == 0 and probe > 0):
+            return self._neighbour(best, upward=probe % 2 == 1)
+        return best
+
+    def update(self, num_draft: int, num_accepted: int, round_seconds: float) -> None:
+        """Learn from a finished round: it drafted `num_draft`, the target accepted
+        `num_accepted` of them, and it took `round_seconds` of wall clock."""
+        if not 0 <= num_accepted <= num_draft <= self.max_draft_tokens:
+            raise ValueError(
+                "need 0 <= num_accepted <= num_draft <= max_draft_tokens, got "
+                f"{num_accepted}, {num_draft}, {self.max_draft_tokens}"
+            )
+        if not round_seconds > 0:
+            raise ValueError(f"round_seconds must be > 0, got {round_seconds}")
+        if self.num_rounds > 0:  # the first round carries one-off work
+            self._learn_cost(num_draft, math.log(round_seconds))
+        if num_draft > 0:
+            successes, failures = acceptance_evidence(num_draft, num_accepted)
+            self.successes = self.acceptance_decay * self.successes + successes
+            self.failures = self.acceptance_decay * self.failures + failures
+        self.counts[num_draft] += 1
+        self.num_accepted += num_accepted
+        self.last_round_all_accepted = 0 < num_draft == num_accepted
+        self.last_num_draft = num_draft
+        still_doubling = self.last_round_all_accepted and num_draft < self.max_draft_tokens
+        if self.slow_start_rounds is None and not still_doubling:
+            self.slow_start_rounds = self.num_rounds
+
+    # --- estimates and statistics ----------------------------------------------
+
+    @property
+    def acceptance_estimate(self) -> float:
+        """The per-draft acceptance probability a, from the weighted counts."""
+        return self.successes / (self.successes + self.failures)
+
+    def round_costs(self) -> List[float]:
+        """Seconds of a round drafting k, for every k: measured or interpolated (in
+        units of nothing in particular before any round was measured)."""
+        measured = [None if s is None else math.exp(s) for s in self.log_seconds]
+        return interpolated_costs(measured, self.prior_cost_per_draft)
+
+    def expected_round_seconds(self, k: int) -> Optional[float]:
+        """Predicted seconds of a round drafting k; None before any cost was learned."""
+        if all(s is None for s in self.log_seconds):
+            return None
+        return self.round_costs()[k]
+
+    @property
+    def num_rounds(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Mean k over the rounds so far (0 before any)."""
+        rounds = self.num_rounds
+        return sum(k * n for k, n in enumerate(self.counts)) / rounds if rounds else 0.0
+
+    # --- internals ---------------------------------------------------------------
+
+    def _learn_cost(self, k: int, log_seconds: float) -> None:
+        if self.log_seconds[k] is None:
+            self.log_seconds[k] = log_seconds
+            return
+        error = log_seconds - self.log_seconds[k]
+        if error < 0:
+            self.log_seconds[k] += self.cost_rate_falling * error
+        else:
+            self.log_seconds[k] += self.cost_rate_rising * min(error, math.log(2))
+
+    def _neighbour(self, k: int, *, upward: bool) -> int:
+        """k + 1 if upward else k - 1, or the other one at the ends of 0..max."""
+        candidate = k + 1 if upward else k - 1
+        if not 0 <= candidate <= self.max_draft_tokens:
+            candidate = k - 1 if upward else k + 1
+        return min(max(candidate, 0), self.max_draft_tokens)

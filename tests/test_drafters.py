@@ -1,0 +1,201 @@
+"""The draft-length policy, on simulated rounds (benchmarks/draft_policy_sim.py): seeded
+per-token acceptance, round costs from the measured float16 demo pair and from assumed
+float32-like and cheap-draft profiles. Pure Python, no models."""
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from draft_policy_sim import CAP, PROFILES, fixed_rates, simulate  # noqa: E402
+
+from mlx_lm.drafters import (  # noqa: E402
+    DraftLengthPolicy,
+    acceptance_evidence,
+    best_draft_length,
+    expected_tokens,
+    interpolated_costs,
+)
+
+FLOAT16 = PROFILES["float16 demo pair (measured)"]
+NUM_ROUNDS = 1000
+
+
+def policy_over_best(costs, a, seed=0, drift=0.0, stalls=0.0) -> float:
+    """The policy's tokens per second over NUM_ROUNDS rounds / the best fixed k's (whose
+    rounds, with a drift, take 1 + drift * (NUM_ROUNDS - 1) / (2 NUM_ROUNDS) times as
+    long on average)."""
+    run = simulate(DraftLengthPolicy(CAP), costs, lambda r: a, NUM_ROUNDS, seed=seed, drift=drift, stalls=stalls)
+    mean_slowdown = (1 + drift * (NUM_ROUNDS - 1) / (2 * NUM_ROUNDS)) * (1 + 2 * stalls)  # a stall adds 2x its round
+    return run["tokens"] / run["seconds"] / (max(fixed_rates(a, costs)) / mean_slowdown)
+
+
+# --- pure functions --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.9, 1.0])
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_expected_tokens_is_the_truncated_geometric_mean(a, k):
+    # P(at least i tokens accepted) = a^i, and the target's token always comes.
+    assert expected_tokens(a, k) == pytest.approx(1 + sum(a**i for i in range(1, k + 1)))
+
+
+def test_acceptance_evidence_counts_the_rejection_only_when_one_happened():
+    assert acceptance_evidence(4, 2) == (2, 1)
+    assert acceptance_evidence(4, 4) == (4, 0)
+    assert acceptance_evidence(0, 0) == (0, 0)
+
+
+def test_evidence_recovers_the_per_token_rate_where_accepted_over_drafted_does_not():
+    rng, a, k = random.Random(3), 0.8, 4
+    successes = failures = drafted = 0
+    for _ in range(20000):
+        n = 0
+        while n < k and rng.random() < a:
+            n += 1
+        s, f = acceptance_evidence(k, n)
+        successes, failures, drafted = successes + s, failures + f, drafted + k
+    assert successes / (successes + failures) == pytest.approx(a, abs=0.01)
+    assert successes / drafted < a - 0.1  # the naive rate counts drafts never compared
+
+
+def test_interpolated_costs():
+    prior = interpolated_costs([None, None, None], 0.5)
+    assert prior == [1.0, 1.5, 2.0]
+    between = interpolated_costs([1.0, None, None, 4.0], 0.3)
+    assert between == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    beyond = interpolated_costs([None, 2.0, None], 0.5)  # along 1 + 0.5 k from k = 1
+    assert beyond == pytest.approx([2.0 / 1.5, 2.0, 2.0 * 2.0 / 1.5])
+
+
+def test_best_draft_length_takes_the_smaller_k_on_a_tie():
+    assert best_draft_length(0.0, [1.0, 1.0, 1.0]) == 0
+    assert best_draft_length(1.0, [1.0, 2.0, 3.0]) == 0  # 1, 1, 1 tokens per cost
+    assert best_draft_length(0.9, [1.0, 1.1, 1.2]) == 2
+
+
+# --- the policy in simulation ------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_a_draft_that_never_agrees_costs_at_most_ten_percent(profile):
+    costs = PROFILES[profile]
+    run = simulate(DraftLengthPolicy(CAP), costs, lambda r: 0.0, NUM_ROUNDS, seed=1)
+    assert run["tokens"] / run["seconds"] >= 0.9 / costs[0]
+    # Plain rounds, bar the probes and near-ties (with the cheap draft a round of k = 1
+    # costs 1.1x a plain one, within the 10% jitter).
+    assert run["choices"][-100:].count(0) >= 80
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_within_five_percent_of_the_best_fixed_length_when_the_draft_agrees(profile, seed):
+    assert policy_over_best(PROFILES[profile], 0.9, seed=seed) >= 0.95
+
+
+@pytest.mark.parametrize("a", [0.5, 0.7, 0.95])
+def test_within_ten_percent_of_the_best_fixed_length_at_other_rates(a):
+    for costs in PROFILES.values():
+        assert policy_over_best(costs, a) >= 0.9
+
+
+def test_costs_that_grow_together_do_not_mislead_it():
+    # A context that makes every round 1.5x slower by the end of the run.
+    assert policy_over_best(FLOAT16, 0.9, drift=0.5) >= 0.95
+
+
+@pytest.mark.parametrize("a, bound", [(0.0, 0.9), (0.9, 0.93)])
+def test_stalled_rounds_do_not_mislead_it(a, bound):
+    # One round in twenty takes 3x as long, whatever its k (another process).
+    for costs in PROFILES.values():
+        assert policy_over_best(costs, a, stalls=0.05) >= bound
+
+
+def test_follows_acceptance_down_to_plain_steps_and_back():
+    third = 300
+    schedule = lambda r: 0.0 if third <= r < 2 * third else 0.9  # noqa: E731
+    choices = simulate(DraftLengthPolicy(CAP), FLOAT16, schedule, 3 * third, seed=2)["choices"]
+    after_drop, after_return = choices[third : 2 * third], choices[2 * third :]
+    # Down: the evidence of ~8 rounds at a high rate unwinds one rejection per round.
+    assert after_drop.index(0) <= 30
+    assert after_drop[40:].count(0) >= 0.9 * len(after_drop[40:])  # the rest are probes
+    # Back: a probe within 16 rounds, a follow-up probe after each good one, then
+    # the estimate climbs; and it stays there.
+    first_back = next(i for i, k in enumerate(after_return) if k >= 2)
+    assert first_back <= 48
+    assert sum(after_return[first_back + 20 :]) / len(after_return[first_back + 20 :]) >= 3
+
+
+@pytest.mark.parametrize("cap", [0, 1, 3])
+def test_never_drafts_beyond_the_cap(cap):
+    policy = DraftLengthPolicy(cap)
+    run = simulate(policy, FLOAT16[: cap + 1], lambda r: 0.95 if r % 50 < 25 else 0.0, 300, seed=4)
+    assert max(run["choices"]) <= cap
+    assert policy.counts == [run["choices"].count(k) for k in range(cap + 1)]
+
+
+def test_deterministic_given_its_inputs():
+    runs = [simulate(DraftLengthPolicy(CAP), FLOAT16, lambda r: 0.8, 300, seed=5)["choices"] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("k", [0, 2, 8])
+def test_fixed_always_drafts_k_and_keeps_statistics(k):
+    policy = DraftLengthPolicy.fixed(k)
+    run = simulate(policy, PROFILES["float32-like (assumed)"], lambda r: 0.0, 100, seed=6)
+    assert set(run["choices"]) == {k}
+    assert policy.counts[k] == 100 and policy.mean_draft_length == k
+
+
+def test_statistics_and_estimates():
+    policy = DraftLengthPolicy(4)
+    assert policy.mean_draft_length == 0.0 and policy.expected_round_seconds(2) is None
+    for num_draft, num_accepted in [(4, 4), (4, 1), (0, 0), (2, 2)]:
+        policy.update(num_draft, num_accepted, 0.01 * (1 + num_draft))
+    assert policy.counts == [1, 0, 1, 0, 2]
+    assert policy.num_rounds == 4 and policy.num_accepted == 7
+    assert policy.mean_draft_length == pytest.approx(10 / 4)
+    assert 0.5 < policy.acceptance_estimate < 1.0
+    assert policy.expected_round_seconds(0) == pytest.approx(0.01, rel=0.1)
+    assert policy.expected_round_seconds(3) == pytest.approx(0.04, rel=0.1)  # between 2 and 4
+
+
+@pytest.mark.parametrize("cap, accepts, expected", [
+    (8, True, [1, 2, 4, 8]),  # doubles up to the cap
+    (6, True, [1, 2, 4, 6]),
+    (8, False, [1]),  # the first rejection ends the slow start
+    (0, True, [0]),
+])
+def test_slow_start_doubles_while_every_draft_is_accepted(cap, accepts, expected):
+    policy = DraftLengthPolicy(cap)
+    choices = []
+    while policy.slow_start_rounds is None:
+        choices.append(policy.choose())
+        policy.update(choices[-1], choices[-1] if accepts else 0, 0.01)
+    assert choices == expected
+
+
+@pytest.mark.parametrize(
+    "num_draft, num_accepted, seconds",
+    [(5, 0, 0.01), (2, 3, 0.01), (-1, 0, 0.01), (2, 1, 0.0), (2, 1, math.nan)],
+)
+def test_update_rejects_impossible_rounds(num_draft, num_accepted, seconds):
+    with pytest.raises(ValueError):
+        DraftLengthPolicy(4).update(num_draft, num_accepted, seconds)
+
+
+def test_constructor_rejects_bad_settings():
+    for settings in [dict(max_draft_tokens=-1), dict(max_draft_tokens=2, probe_interval=1),
+                     dict(max_draft_tokens=2, acceptance_memory=0.5), dict(max_draft_tokens=2, prior_accepted=0)]:
+        with pytest.raises(ValueError):
+            DraftLengthPolicy(**settings)
+
+
+def test_choose_only_reads_what_update_learned():
+    policy = DraftLengthPolicy(6)
+    simulate(policy, FLOAT16[:7], lambda r: 0.7, 200, seed=7)
+    assert len(set(policy.choose() for _ in range(3))) == 1
