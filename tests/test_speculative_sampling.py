@@ -13,7 +13,9 @@ Three levels:
    is independent and uniform on [0, 1) for every position, also for dependent tokens
    (Rosenblatt 1952), so a chi-square test on the histogram of u checks the law at
    every position of every round: accepted drafts, corrections after a rejection,
-   bonus tokens, and positions after rollbacks of the GDN state.
+   bonus tokens, and positions after rollbacks of the GDN state. A second, targeted
+   check: how often the emitted token is one the draft favours (q_i > p_i), against
+   its expectation under p_i (a martingale z test); every broken rule leans that way.
 
 Every statistical check is a chi-square or z test at significance 0.001 with fixed
 seeds, so the outcome is deterministic; each one fails when the residual law or the
@@ -34,6 +36,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import get_model_classes
 
 Z_CRITICAL = 3.09  # one-sided normal quantile at 0.999
+Z_TWO_SIDED = 3.29  # two-sided, significance 0.001
 
 
 def chi_square_critical(df: int) -> float:
@@ -205,6 +208,14 @@ def test_speculative_sampling_has_the_target_law(case):
     assert filtered.mean() > 1, "the filters should remove tokens"
     counts = pit_histogram(np.array(tokens), laws, seed=12)
     assert_law(counts, np.full(len(counts), 1 / len(counts)), f"{case}: PIT histogram")
+    # Targeted: a broken rule leans towards the draft. How often the token is one the
+    # draft favours (q > p) is a sum of Bernoulli(m_i) under the target's law.
+    draft_laws = laws_along(draft, sequence, PROMPT.size, sampler, processors)
+    favoured = draft_laws > laws
+    rows = np.arange(len(tokens))
+    m = (laws * favoured).sum(axis=1)
+    z = (favoured[rows, tokens].sum() - m.sum()) / math.sqrt((m * (1 - m)).sum())
+    assert abs(z) < Z_TWO_SIDED, f"{case}: {z:.2f} standard deviations towards the draft"
 
 
 def test_acceptance_on_the_generated_text_is_sum_min():
