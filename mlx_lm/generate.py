@@ -66,11 +66,14 @@ def _flat_parameters(model: nn.Module):
 
 @dataclass
 class SpeculationStats:
-    """Counts of a speculative run: draft tokens proposed and accepted, target forwards."""
+    """Counts of a speculative run: draft tokens proposed and accepted, target forwards;
+    and how drafts were accepted: "speculative sampling" (the sampler gives its law) or
+    "token matching" (greedy, or a sampler function)."""
 
     num_drafted: int = 0
     num_accepted: int = 0
     num_target_forwards: int = 0
+    acceptance_rule: str = "token matching"
 
     @property
     def acceptance_rate(self) -> float:
@@ -514,6 +517,7 @@ def speculative_generate_step(
     sampler = sampler or make_sampler()
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
+    stats.acceptance_rule = "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
@@ -534,7 +538,7 @@ def speculative_generate_step(
             num_draft = min(num_draft_tokens, remaining - 1)
 
             # Draft, then verify all drafts in one target forward (queued behind the lazy
-            # drafts, no sync before verify's).
+            # drafts; the round's one sync is accept's).
             drafts, draft_laws = propose(draft, sequence, num_draft, sampler, processors)
             logprobs = verify(target, sequence, drafts, processors)
 
@@ -690,7 +694,7 @@ def generate(
             per_forward = response.generation_tokens / max(spec.num_target_forwards, 1)
             print(
                 f"Speculation: {spec.num_accepted}/{spec.num_drafted} draft tokens accepted "
-                f"({spec.acceptance_rate:.1%}), {per_forward:.2f} tokens per target forward"
+                f"({spec.acceptance_rate:.1%}), {per_forward:.2f} tokens per target forward ({spec.acceptance_rule})"
             )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text

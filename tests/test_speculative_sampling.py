@@ -254,15 +254,16 @@ def test_acceptance_on_the_generated_text_is_sum_min():
 def test_same_seed_same_output_and_greedy_unchanged():
     target, draft = tiny("qwen3_next"), tiny("qwen3_next", noise=0.6)
     sampler = make_sampler(temp=0.8, top_k=8)
-    runs = []
+    runs, stats = [], SpeculationStats()
     for _ in range(2):
         mx.random.seed(5)
         runs.append([t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
-                                                                max_tokens=40, sampler=sampler)])
-    assert runs[0] == runs[1]
+                                                                max_tokens=40, sampler=sampler, stats=stats)])
+    assert runs[0] == runs[1] and stats.acceptance_rule == "speculative sampling"
     plain = [t for t, _ in generate_step(PROMPT, target, max_tokens=40)]
-    greedy = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=40)]
-    assert greedy == plain
+    greedy = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=40,
+                                                         stats=stats)]
+    assert greedy == plain and stats.acceptance_rule == "token matching"
 
 
 def test_a_sampler_function_falls_back_to_token_matching():
@@ -275,3 +276,4 @@ def test_a_sampler_function_falls_back_to_token_matching():
     out = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=2, max_tokens=30,
                                                       sampler=argmax, stats=stats)]
     assert out == plain and 0 < stats.num_accepted < stats.num_drafted
+    assert stats.acceptance_rule == "token matching"
