@@ -144,6 +144,8 @@ def write_plot(all_results, args) -> None:
             label = f"T={temp}, {'speculative sampling' if rule == 'rejection' else 'token matching'}"
             left.plot(ks, [results[(rule, k)]["speedup"] for k in ks], style, color=f"C{i}", label=label)
             right.plot(ks, [results[(rule, k)]["rate"] for k in ks], style, color=f"C{i}", label=label)
+    for axis in (left, right):
+        axis.set_xticks(ks)
     left.axhline(1, color="grey", lw=0.8)
     left.set_xlabel("num_draft_tokens k")
     left.set_ylabel("speedup over plain sampled decoding")
