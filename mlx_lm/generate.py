@@ -23,7 +23,8 @@ from .cli_args import (
 )
 from .models import cache
 from .models.cache import maybe_quantize_kv_cache
-from .sample_utils import make_sampler
+from .drafters import speculative_sample
+from .sample_utils import CategoricalSampler, make_sampler
 from .tokenizer_utils import TokenizerWrapper
 
 DEFAULT_PROMPT = "hello"
@@ -65,11 +66,14 @@ def _flat_parameters(model: nn.Module):
 
 @dataclass
 class SpeculationStats:
-    """Counts of a speculative run: draft tokens proposed and accepted, target forwards."""
+    """Counts of a speculative run: draft tokens proposed and accepted, target forwards;
+    and how drafts were accepted: "speculative sampling" (the sampler gives its law) or
+    "token matching" (greedy, or a sampler function)."""
 
     num_drafted: int = 0
     num_accepted: int = 0
     num_target_forwards: int = 0
+    acceptance_rule: str = "token matching"
 
     @property
     def acceptance_rate(self) -> float:
@@ -347,15 +351,14 @@ class _Side:
             self.num_held, self.num_fed = len(tokens), 0
 
 
-def sample_rows(
+def processed_logprobs(
     logits: mx.array,
     history: Optional[mx.array],
     drafts: mx.array,
-    sampler: Callable[[mx.array], mx.array],
     logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
-) -> Tuple[mx.array, mx.array]:
-    """Sample a token after each row of `logits` (N, V); the processors see, for row i,
-    `history` (1-D) followed by drafts[:i]. Returns (tokens (N,), logprobs (N, V))."""
+) -> mx.array:
+    """Log-probabilities (N, V) of `logits` (N, V) after the processors, which see, for
+    row i, `history` (1-D) followed by drafts[:i] (as plain decoding would show them)."""
     if logits_processors:
         rows = []
         for i in range(logits.shape[0]):
@@ -364,8 +367,7 @@ def sample_rows(
                 row = processor(seen, row)
             rows.append(row)
         logits = mx.concatenate(rows)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs), logprobs
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def propose(
@@ -374,37 +376,71 @@ def propose(
     num_draft: int,
     sampler: Callable[[mx.array], mx.array],
     logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
-) -> mx.array:
-    """The draft's next `num_draft` tokens after `sequence` (1-D, lazy). The draft holds
-    sequence[:-1]; it is fed the last token, then each proposal but the last."""
-    proposals, inputs = [], mx.array(sequence[draft.num_held :], mx.uint32)
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """The draft's next `num_draft` tokens after `sequence` (1-D, lazy), and with a
+    CategoricalSampler the laws (num_draft, V) they were drawn from (else None: the
+    sampler is used as is). The draft holds sequence[:-1]; it is fed the last token,
+    then each proposal but the last."""
+    explicit = isinstance(sampler, CategoricalSampler)
+    proposals, laws, inputs = [], [], mx.array(sequence[draft.num_held :], mx.uint32)
     for _ in range(num_draft):
         logits = draft.forward(inputs)[-1:]
         history = mx.concatenate([mx.array(sequence), *proposals]) if logits_processors else None
-        token, _ = sample_rows(logits, history, mx.array([], mx.uint32), sampler, logits_processors)
+        logprobs = processed_logprobs(logits, history, mx.array([], mx.uint32), logits_processors)
+        if explicit:
+            laws.append(sampler.distribution(logprobs))
+            token = mx.random.categorical(laws[-1])
+        else:
+            token = sampler(logprobs)
         proposals.append(token.astype(mx.uint32))
         # Start computing each draft as soon as it is built, so building the next
         # step overlaps it (measured 6-12% faster per round than one eval).
         mx.async_eval(proposals[-1])
         inputs = proposals[-1]
-    return mx.concatenate(proposals) if proposals else mx.array([], mx.uint32)
+    drafts = mx.concatenate(proposals) if proposals else mx.array([], mx.uint32)
+    if not explicit:
+        return drafts, None
+    return drafts, mx.concatenate(laws) if laws else mx.zeros((0, draft.num_columns), mx.float32)
 
 
 def verify(
     target: _Side,
     sequence: List[int],
     drafts: mx.array,
-    sampler: Callable[[mx.array], mx.array],
     logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
-) -> Tuple[List[int], mx.array]:
+) -> mx.array:
     """One target forward over the last token of `sequence` then the `drafts` (1-D,
-    possibly empty); sample the target's own token after each of those positions.
-    Returns (tokens, logprobs (drafts.size + 1, V)); the tokens are synced to Python."""
+    possibly empty): the target's log-probabilities (drafts.size + 1, V) after each of
+    those positions, processed (lazy)."""
     inputs = mx.concatenate([mx.array(sequence[target.num_held :], mx.uint32), drafts])
     logits = target.forward(inputs)[-(drafts.size + 1) :]
     history = mx.array(sequence) if logits_processors else None
-    tokens, logprobs = sample_rows(logits, history, drafts, sampler, logits_processors)
-    return tokens.tolist(), logprobs
+    return processed_logprobs(logits, history, drafts, logits_processors)
+
+
+def accept(
+    logprobs: mx.array,
+    drafts: mx.array,
+    draft_laws: Optional[mx.array],
+    sampler: Callable[[mx.array], mx.array],
+) -> Tuple[int, List[int]]:
+    """Decide a round, syncing once: (number of drafts accepted, the tokens to emit:
+    those drafts and the token after them). `logprobs` (K + 1, V) are the target's.
+
+    With the laws the drafts were drawn from (a CategoricalSampler), speculative
+    sampling (drafters.speculative_sample). Otherwise token matching: the sampler draws
+    the target's own token at every position and the agreeing prefix is kept; exact for
+    any sampler, and for greedy decoding token-identical to plain decoding.
+    """
+    if draft_laws is None:
+        targets = sampler(logprobs).tolist()
+        drafts = drafts.tolist()
+        num_accepted = accepted_prefix(drafts, targets)
+        return num_accepted, drafts[:num_accepted] + [targets[num_accepted]]
+    num_accepted, token = speculative_sample(sampler.distribution(logprobs), draft_laws, drafts)
+    mx.eval(num_accepted, token, drafts)
+    num_accepted = num_accepted.item()
+    return num_accepted, drafts.tolist()[:num_accepted] + [token.item()]
 
 
 def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
@@ -437,9 +473,19 @@ def speculative_generate_step(
     forward when the draft guesses them.
 
     Each round the draft proposes up to `num_draft_tokens`, one target forward scores
-    them all, the longest prefix equal to the target's own samples is accepted and the
-    target's next token follows it. Every emitted token is the target's choice, so greedy
-    output equals `generate_step`'s. Rejected tokens are rolled back exactly on every
+    them all, a prefix of them is accepted and a token of the target follows it. The
+    output has the law of `generate_step`'s with the same sampler and processors:
+    - a sampler from `make_sampler(temp > 0, ...)` (a CategoricalSampler, which gives
+      its law): speculative sampling. The draft draws each token from its own law q
+      (every filter and processor applied), the target's laws p come from the verify
+      forward, a draft is kept with probability min(1, p/q), a rejected one replaced
+      by a draw from norm(max(0, p - q)) (drafters.py). Acceptance is sum min(p, q).
+    - greedy, or any other callable: token matching. The sampler picks the draft's
+      tokens and the target's own token at every verified position, and the longest
+      agreeing prefix is accepted: greedy output equals `generate_step`'s token for
+      token. Acceptance at temp > 0 is only about sum p*q; to measure that, wrap a
+      CategoricalSampler in a plain function.
+    Rejected tokens are rolled back exactly on every
     cache kind (DESIGN.md §2). `prompt_cache` is the target's entries followed by the
     draft's. `stats` (optional) receives the counts; `kv_bits` etc. quantize KV caches as
     in `generate_step`. The draft must use the target's tokenizer (the loaders check it
@@ -471,6 +517,7 @@ def speculative_generate_step(
     sampler = sampler or make_sampler()
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
+    stats.acceptance_rule = "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
@@ -491,14 +538,12 @@ def speculative_generate_step(
             num_draft = min(num_draft_tokens, remaining - 1)
 
             # Draft, then verify all drafts in one target forward (queued behind the lazy
-            # drafts, no sync before verify's).
-            drafts = propose(draft, sequence, num_draft, sampler, processors)
-            targets, logprobs = verify(target, sequence, drafts, sampler, processors)
-            drafts = drafts.tolist()
+            # drafts; the round's one sync is accept's).
+            drafts, draft_laws = propose(draft, sequence, num_draft, sampler, processors)
+            logprobs = verify(target, sequence, drafts, processors)
 
-            # Accept the agreeing prefix and the target's token after it.
-            num_accepted = accepted_prefix(drafts, targets)
-            new_tokens = drafts[:num_accepted] + [targets[num_accepted]]
+            # Accept a prefix of the drafts and the target's token after it.
+            num_accepted, new_tokens = accept(logprobs, drafts, draft_laws, sampler)
             sequence += new_tokens
 
             # Rewind both caches to the sequence minus its last token (after a fully
@@ -649,7 +694,7 @@ def generate(
             per_forward = response.generation_tokens / max(spec.num_target_forwards, 1)
             print(
                 f"Speculation: {spec.num_accepted}/{spec.num_drafted} draft tokens accepted "
-                f"({spec.acceptance_rate:.1%}), {per_forward:.2f} tokens per target forward"
+                f"({spec.acceptance_rate:.1%}), {per_forward:.2f} tokens per target forward ({spec.acceptance_rule})"
             )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text

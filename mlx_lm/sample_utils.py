@@ -12,6 +12,9 @@ removes to ``-inf`` and leaves the others untouched:
   text-generation-webui PR #6335).
 * :func:`apply_top_k`: keep the ``k`` most likely tokens.
 
+:class:`CategoricalSampler` (what ``make_sampler`` returns for ``temp > 0``)
+also gives the law it draws from, for speculative sampling.
+
 A logits processor maps ``(tokens, logits)`` to new logits before sampling;
 :func:`make_logits_processors` builds the bias and penalty processors.
 """
@@ -100,6 +103,32 @@ def apply_top_k(logprobs: mx.array, top_k: int) -> mx.array:
     )
 
 
+def xtc_exclusion(
+    logits: mx.array, xtc_threshold: float, xtc_special_tokens: Sequence[int]
+) -> mx.array:
+    """The tokens XTC removes from a row when it applies (no randomness).
+
+    Args:
+        logits: (B, V) logits or log-probabilities (the threshold applies to
+            their softmax).
+        xtc_threshold: probability threshold in [0, 0.5].
+        xtc_special_tokens: token ids that are never removed.
+
+    Returns:
+        (B, V) bool: every token with probability ``>= xtc_threshold`` except
+        the least likely of them and the special tokens.
+    """
+    probs = mx.softmax(logits, axis=-1)
+    above = probs >= xtc_threshold  # (B, V)
+    least_above = mx.min(mx.where(above, probs, mx.inf), axis=-1, keepdims=True)
+    remove = above & (probs > least_above)
+    if len(xtc_special_tokens) > 0:
+        special = mx.array(list(xtc_special_tokens), dtype=mx.int32)
+        protected = mx.zeros((logits.shape[-1],), dtype=mx.int32).at[special].add(1)
+        remove = remove & (protected == 0)
+    return remove
+
+
 def apply_xtc(
     logits: mx.array,
     xtc_probability: float,
@@ -113,7 +142,7 @@ def apply_xtc(
     likely such token, so the output stays coherent while the most obvious
     continuations are avoided. Nothing is removed when fewer than two tokens
     reach the threshold, and ``xtc_special_tokens`` (e.g. EOS, newline) are
-    never removed.
+    never removed (see :func:`xtc_exclusion`).
 
     Args:
         logits: (B, V) logits or log-probabilities; the threshold applies to
@@ -125,14 +154,7 @@ def apply_xtc(
     Returns:
         (B, V) ``logits`` with the excluded tokens set to -inf.
     """
-    probs = mx.softmax(logits, axis=-1)
-    above = probs >= xtc_threshold  # (B, V)
-    least_above = mx.min(mx.where(above, probs, mx.inf), axis=-1, keepdims=True)
-    remove = above & (probs > least_above)
-    if len(xtc_special_tokens) > 0:
-        special = mx.array(list(xtc_special_tokens), dtype=mx.int32)
-        protected = mx.zeros((logits.shape[-1],), dtype=mx.int32).at[special].add(1)
-        remove = remove & (protected == 0)
+    remove = xtc_exclusion(logits, xtc_threshold, xtc_special_tokens)
     applies = mx.random.uniform(shape=(logits.shape[0], 1)) < xtc_probability
     return mx.where(applies & remove, -mx.inf, logits)
 
@@ -203,13 +225,66 @@ def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
 
 
-def _filtered_sampling(
-    logprobs: mx.array, filters: Sequence[Callable[[mx.array], mx.array]], temp: float
-) -> mx.array:
-    """(B, V) -> (B,): apply ``filters`` in order, then sample at ``temp``."""
-    for apply_filter in filters:
-        logprobs = apply_filter(logprobs)
-    return categorical_sampling(logprobs, temp)
+class CategoricalSampler:
+    """The sampler :func:`make_sampler` builds for ``temp > 0``.
+
+    Called like any sampler, ``(B, V) log-probabilities -> (B,) token ids``.
+    :meth:`distribution` gives the law those tokens are drawn from, which is
+    what speculative sampling needs (``speculative_generate_step`` accepts a
+    draft token with probability ``min(1, p / q)`` for the target's and the
+    draft's laws ``p`` and ``q``; with any other sampler it falls back to
+    matching tokens, which is exact too).
+
+    Filters run in this order: top-p, min-p, XTC, top-k, then categorical
+    sampling of ``logprobs / temp``. XTC removes its top choices at random, so
+    its law is the mixture of the unfiltered and the filtered law, weighted by
+    ``xtc_probability``: exact, with no fallback.
+    """
+
+    def __init__(
+        self,
+        temp: float,
+        leading: Sequence[Callable[[mx.array], mx.array]],
+        xtc: Optional[tuple],
+        trailing: Sequence[Callable[[mx.array], mx.array]],
+    ):
+        # leading: the filters before XTC; xtc: (probability, threshold,
+        # special ids) or None; trailing: the filters after XTC.
+        self.temp, self.leading, self.xtc, self.trailing = temp, tuple(leading), xtc, tuple(trailing)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """(B, V) -> (B,) uint32 token ids, one draw per row."""
+        for apply_filter in self.leading:
+            logprobs = apply_filter(logprobs)
+        if self.xtc is not None:
+            logprobs = apply_xtc(logprobs, *self.xtc)
+        for apply_filter in self.trailing:
+            logprobs = apply_filter(logprobs)
+        return categorical_sampling(logprobs, self.temp)
+
+    def distribution(self, logprobs: mx.array) -> mx.array:
+        """(B, V) log-probabilities -> (B, V) normalised float32 log-probabilities
+        of the law ``self(logprobs)`` draws from (-inf where it never draws)."""
+        # The filters run in the input's dtype, as in __call__, so both keep the
+        # same tokens; the law itself is computed in float32.
+        for apply_filter in self.leading:
+            logprobs = apply_filter(logprobs)
+        # (weight, logits) per branch: XTC applies to a row with its probability.
+        branches = [(1.0, logprobs)]
+        if self.xtc is not None:
+            probability, threshold, special = self.xtc
+            excluded = mx.where(xtc_exclusion(logprobs, threshold, special), -mx.inf, logprobs)
+            branches = [(1 - probability, logprobs), (probability, excluded)]
+        law = None
+        for weight, branch in branches:
+            if weight == 0:
+                continue
+            for apply_filter in self.trailing:
+                branch = apply_filter(branch)
+            branch = branch.astype(mx.float32) * (1 / self.temp)  # as categorical_sampling scales
+            branch = branch - mx.logsumexp(branch, axis=-1, keepdims=True) + math.log(weight)
+            law = branch if law is None else mx.logaddexp(law, branch)
+        return law
 
 
 def make_sampler(
@@ -227,9 +302,10 @@ def make_sampler(
     ``temp == 0`` is greedy (argmax; the filters are irrelevant). Otherwise the
     enabled filters run in this order: top-p (``0 < top_p < 1``), min-p
     (``min_p != 0``), XTC (``xtc_probability > 0``), top-k (``top_k > 0``),
-    followed by categorical sampling of ``logprobs / temp``. Randomness comes
-    from the global ``mx.random`` state, so ``mx.random.seed`` makes it
-    reproducible.
+    followed by categorical sampling of ``logprobs / temp``; the result is a
+    :class:`CategoricalSampler`, whose ``distribution`` gives that law.
+    Randomness comes from the global ``mx.random`` state, so
+    ``mx.random.seed`` makes it reproducible.
 
     Raises:
         ValueError: an argument is out of range (the message names it).
@@ -247,28 +323,20 @@ def make_sampler(
     if temp == 0:
         return _greedy
 
-    filters = []
+    leading, trailing, xtc = [], [], None
     if 0 < top_p < 1:
-        filters.append(partial(apply_top_p, top_p=top_p))
+        leading.append(partial(apply_top_p, top_p=top_p))
     if min_p != 0:
-        filters.append(
+        leading.append(
             partial(apply_min_p, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep)
         )
     if xtc_probability > 0:
         # Copy: the default list is shared between calls, and callers may
         # mutate theirs after building the sampler.
-        special = tuple(xtc_special_tokens)
-        filters.append(
-            partial(
-                apply_xtc,
-                xtc_probability=xtc_probability,
-                xtc_threshold=xtc_threshold,
-                xtc_special_tokens=special,
-            )
-        )
+        xtc = (xtc_probability, xtc_threshold, tuple(xtc_special_tokens))
     if top_k > 0:
-        filters.append(partial(apply_top_k, top_k=top_k))
-    return partial(_filtered_sampling, filters=tuple(filters), temp=temp)
+        trailing.append(partial(apply_top_k, top_k=top_k))
+    return CategoricalSampler(temp, leading, xtc, trailing)
 
 
 # ---------------------------------------------------------------------------

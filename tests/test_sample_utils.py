@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_lm.sample_utils import (
+    CategoricalSampler,
     apply_min_p,
     apply_top_k,
     apply_top_p,
@@ -229,6 +230,55 @@ def test_xtc_sampler_never_draws_excluded_tokens():
     np.testing.assert_allclose(
         freqs, renormalised(PROBS, mask), atol=FREQUENCY_TOLERANCE
     )
+
+
+def reference_law(probs, temp, mask):
+    """Naive law of a sampler that keeps `mask` and samples at `temp`."""
+    weights = np.where(mask, np.asarray(probs, np.float64) ** (1 / temp), 0.0)
+    return weights / weights.sum()
+
+
+@pytest.mark.parametrize(
+    "kwargs, mask",
+    [
+        ({"temp": 1.0}, [True] * 5),
+        ({"temp": 0.5, "top_k": 2}, [False, True, False, True, False]),
+        ({"temp": 2.0, "top_p": 0.75}, [False, True, False, True, True]),
+        ({"temp": 0.7, "min_p": 0.3}, [False, True, False, True, True]),
+        ({"temp": 1.3, "top_p": 0.9, "top_k": 3}, [False, True, False, True, True]),
+    ],
+)
+def test_distribution_is_the_filtered_law(kwargs, mask):
+    """CategoricalSampler.distribution against a naive reference, and against the
+    frequencies of the sampler's own draws."""
+    sampler = make_sampler(**kwargs)
+    assert isinstance(sampler, CategoricalSampler)
+    law = np.exp(np.array(sampler.distribution(logprobs_of(PROBS))[0]))
+    want = reference_law(PROBS, kwargs["temp"], np.array(mask))
+    np.testing.assert_allclose(law, want, atol=1e-6)
+    mx.random.seed(5)
+    np.testing.assert_allclose(empirical_frequencies(sampler, PROBS), law, atol=FREQUENCY_TOLERANCE)
+
+
+def test_distribution_with_xtc_is_the_mixture():
+    """XTC removes its top choices with probability a: the law is (1 - a) times the
+    unfiltered law plus a times the filtered one, per row (top-k after both)."""
+    sampler = make_sampler(temp=0.8, top_k=4, xtc_probability=0.4, xtc_threshold=0.12)
+    law = np.exp(np.array(sampler.distribution(logprobs_of(PROBS))[0]))
+    top4 = np.array([False, True, True, True, True])
+    excluded = np.array([True, False, True, False, True])  # 0.4 and 0.3 go, 0.15 stays
+    want = 0.6 * reference_law(PROBS, 0.8, top4) + 0.4 * reference_law(PROBS, 0.8, excluded)
+    np.testing.assert_allclose(law, want, atol=1e-6)
+    mx.random.seed(6)
+    np.testing.assert_allclose(empirical_frequencies(sampler, PROBS), law, atol=FREQUENCY_TOLERANCE)
+    always = make_sampler(temp=1.0, xtc_probability=1.0, xtc_threshold=0.12)
+    law = np.exp(np.array(always.distribution(logprobs_of(PROBS))[0]))
+    np.testing.assert_allclose(law, reference_law(PROBS, 1.0, excluded), atol=1e-6)
+
+
+def test_greedy_sampler_is_a_plain_function():
+    """Greedy decoding gives no law: speculation matches its tokens."""
+    assert not isinstance(make_sampler(temp=0.0), CategoricalSampler)
 
 
 def test_same_seed_gives_same_samples():
