@@ -5,7 +5,7 @@ import contextlib
 import functools
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -23,7 +23,7 @@ from .cli_args import (
 )
 from .models import cache
 from .models.cache import maybe_quantize_kv_cache
-from .drafters import speculative_sample
+from .drafters import DraftLengthPolicy, speculative_sample
 from .sample_utils import CategoricalSampler, make_sampler
 from .tokenizer_utils import TokenizerWrapper
 
@@ -74,10 +74,16 @@ class SpeculationStats:
     num_accepted: int = 0
     num_target_forwards: int = 0
     acceptance_rule: str = "token matching"
+    draft_lengths: List[int] = field(default_factory=list)  # rounds that drafted k, per k
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_draft_length(self) -> float:
+        rounds = sum(self.draft_lengths)
+        return sum(k * n for k, n in enumerate(self.draft_lengths)) / rounds if rounds else 0.0
 
 
 @dataclass
@@ -468,11 +474,17 @@ def speculative_generate_step(
     max_kv_size: Optional[int] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stats: Optional[SpeculationStats] = None,
+    adaptive_draft_length: bool = True,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft): the target's tokens, several per target
     forward when the draft guesses them.
 
-    Each round the draft proposes up to `num_draft_tokens`, one target forward scores
+    Each round the draft proposes k tokens, k chosen by a DraftLengthPolicy (drafters.py)
+    from the measured acceptance and round times, between 0 (a plain target step, when
+    drafting would lose) and `num_draft_tokens`; `adaptive_draft_length=False` drafts
+    `num_draft_tokens` every round. k never changes greedy output; under sampling the
+    law is the target's whatever k is, but which sample a seed gives depends on k, so a
+    seeded run that must replay exactly pins it. One target forward scores
     them all, a prefix of them is accepted and a token of the target follows it. The
     output has the law of `generate_step`'s with the same sampler and processors:
     - a sampler from `make_sampler(temp > 0, ...)` (a CategoricalSampler, which gives
@@ -497,9 +509,13 @@ def speculative_generate_step(
       yielded token, exactly as after `generate_step` (feeding the last one lazily);
     - after an exception, also KeyboardInterrupt and one thrown in at a yield: the
       prompt and every yielded token but the last (before the first yield: the prompt
-      minus its last token). Only trimming gets them there, no model runs, and the
-      original exception propagates. Between rounds both caches hold the sequence minus
-      its last token, so a fully accepted round feeds the draft its last proposal.
+      minus its last token). The target gets there by trimming only; the draft too,
+      unless plain rounds (k = 0) left it behind, when the missing tokens are fed
+      lazily (computed when the cache is next used; if that fails too it stays
+      short). The original exception propagates. Between rounds the target holds the
+      sequence minus its last token, and so does the draft after a round that drafted
+      (a fully accepted round feeds it its last proposal); after a plain round it is
+      not fed, its next drafting round catches up in one forward.
     Not covered: an exception during prefill, or an interrupt that lands inside a
     model's forward (between its layers) or between a trim and its recount, leaves the
     caches partly fed; discard them.
@@ -518,6 +534,7 @@ def speculative_generate_step(
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
     stats.acceptance_rule = "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
+    policy = DraftLengthPolicy(num_draft_tokens, adaptive=adaptive_draft_length)
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
@@ -534,8 +551,9 @@ def speculative_generate_step(
         while max_tokens == -1 or num_yielded < max_tokens:
             # Round counters first: `finally` undoes exactly what this round fed.
             target.num_fed = draft.num_fed = 0
+            round_start = time.perf_counter()
             remaining = num_draft_tokens + 1 if max_tokens == -1 else max_tokens - num_yielded
-            num_draft = min(num_draft_tokens, remaining - 1)
+            num_draft = min(policy.choose(), remaining - 1)
 
             # Draft, then verify all drafts in one target forward (queued behind the lazy
             # drafts; the round's one sync is accept's).
@@ -545,14 +563,17 @@ def speculative_generate_step(
             # Accept a prefix of the drafts and the target's token after it.
             num_accepted, new_tokens = accept(logprobs, drafts, draft_laws, sampler)
             sequence += new_tokens
+            policy.update(num_draft, num_accepted, time.perf_counter() - round_start)
 
             # Rewind both caches to the sequence minus its last token (after a fully
-            # accepted round that feeds the draft its last proposal).
+            # accepted round that feeds the draft its last proposal; after a plain
+            # round the draft is left behind, not fed).
             target.settle(sequence[:-1])
-            draft.settle(sequence[:-1])
+            draft.settle(sequence[:-1], may_feed=num_draft > 0)
             stats.num_drafted += num_draft
             stats.num_accepted += num_accepted
             stats.num_target_forwards += 1
+            stats.draft_lengths = policy.counts[:]
             quantize_kv(target.cache)
             quantize_kv(draft.cache)
 
@@ -571,16 +592,14 @@ def speculative_generate_step(
 
 def _finish_speculation(sides: List[_Side], delivered: List[int], clean_stop: bool) -> None:
     """Bring each side to the contract of speculative_generate_step: after a clean stop
-    exactly `delivered`; after an exception `delivered` minus its last token, by
-    trimming only, and nothing raised here may mask the exception. Mid-round
-    `delivered` ends before anything fed this round, so settle gives all of it back."""
+    exactly `delivered`; after an exception `delivered` minus its last token, and
+    nothing raised here may mask the exception. Mid-round `delivered` ends before
+    anything fed this round, so settle gives all of it back by trimming; only a draft
+    that plain rounds left behind is fed (lazily)."""
     try:
         for side in sides:
             try:
-                if clean_stop:
-                    side.settle(delivered)
-                else:
-                    side.settle(delivered[:-1], may_feed=False)
+                side.settle(delivered if clean_stop else delivered[:-1])
             except Exception:
                 if clean_stop:
                     raise
@@ -696,6 +715,8 @@ def generate(
                 f"Speculation: {spec.num_accepted}/{spec.num_drafted} draft tokens accepted "
                 f"({spec.acceptance_rate:.1%}), {per_forward:.2f} tokens per target forward ({spec.acceptance_rule})"
             )
+            histogram = ", ".join(f"k={k}: {n}" for k, n in enumerate(spec.draft_lengths) if n)
+            print(f"Draft length: mean {spec.mean_draft_length:.2f} per round ({histogram})")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
 
@@ -742,7 +763,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-model", type=str, default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
-                        help="Tokens the draft model proposes per target forward")
+                        help="At most this many tokens drafted per target forward (each round picks 0..N "
+                        "from the measured acceptance and speed)")
+    parser.add_argument("--fixed-draft-length", action="store_true",
+                        help="Draft exactly --num-draft-tokens every round (also implied by --seed with "
+                        "--temp > 0, so that a seeded sampled run replays exactly)")
     add_dtype_argument(parser)
     return parser
 
@@ -796,7 +821,10 @@ def run(args: argparse.Namespace) -> str:
     )
     kwargs = dict(max_tokens=args.max_tokens, sampler=sampler)
     if draft_model is not None:
-        kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens)
+        # Which sample a seed gives depends on the draft lengths: a seeded sampled run pins them.
+        fixed = args.fixed_draft_length or (args.seed is not None and args.temp > 0)
+        kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens,
+                      adaptive_draft_length=not fixed)
     if args.kv_bits is not None:
         kwargs.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                       quantized_kv_start=args.quantized_kv_start)

@@ -412,7 +412,8 @@ def usage(result: GenerationResult) -> dict:
         body["completion_tokens_details"] = {"accepted_prediction_tokens": spec.num_accepted,
                                              "rejected_prediction_tokens": spec.num_drafted - spec.num_accepted}
         body["speculation"] = {"num_drafted": spec.num_drafted, "num_accepted": spec.num_accepted,
-                               "num_target_forwards": spec.num_target_forwards}
+                               "num_target_forwards": spec.num_target_forwards,
+                               "draft_lengths": spec.draft_lengths}
     return body
 
 

@@ -429,7 +429,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-model", default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
-                        help="Tokens the draft proposes per target forward (requests may override)")
+                        help="At most this many tokens drafted per target forward, each round choosing 0..N from "
+                        "the measured acceptance and speed (requests may override N)")
+    parser.add_argument("--fixed-draft-length", action="store_true",
+                        help="Draft exactly N tokens every round (requests with a seed and temperature > 0 "
+                        "always do, so that they replay exactly)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="Address to bind: 127.0.0.1 or ::1 take local connections only; an IPv6 address binds IPv6")
     parser.add_argument("--port", type=int, default=8080, help="Port to listen on (0: any free port)")
@@ -522,7 +526,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(f"Error: {e}")
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
-    server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens)
+    server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens,
+                                     args.fixed_draft_length)
     threading.Thread(target=server.worker.run_forever, name="generation", daemon=True).start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s: the server has no authentication; anyone who can reach it can use it", args.host)

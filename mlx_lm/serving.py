@@ -345,10 +345,12 @@ class _Cancelled(Exception):
 class GenerationWorker:
     """Runs jobs one at a time (call `run_forever` on its own thread)."""
 
-    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, default_num_draft_tokens: int = 3):
+    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, default_num_draft_tokens: int = 3,
+                 fixed_draft_length: bool = False):
         self.provider = provider
         self.prefill_step_size = prefill_step_size
         self.default_num_draft_tokens = default_num_draft_tokens
+        self.fixed_draft_length = fixed_draft_length
         self.jobs: "queue.Queue[Job]" = queue.Queue()
 
     def submit(self, job: Job) -> None:
@@ -427,7 +429,9 @@ class GenerationWorker:
             processors = [lambda history, logits, p=p: p(mx.concatenate([seen, history]), logits) for p in processors]
         kwargs = {}
         if served.draft_model is not None:
-            kwargs = dict(draft_model=served.draft_model,
+            # Which sample a seed gives depends on the draft lengths: a seeded sampled request pins them.
+            fixed = self.fixed_draft_length or (request.seed is not None and request.sampling["temp"] > 0)
+            kwargs = dict(draft_model=served.draft_model, adaptive_draft_length=not fixed,
                           num_draft_tokens=request.num_draft_tokens or self.default_num_draft_tokens)
         responses = stream_generate(
             served.model, served.tokenizer, mx.array(remaining), max_tokens,

@@ -127,7 +127,7 @@ def test_greedy_speculative_equals_plain(target_name, draft_kind):
     rounds = {}
     for k in DRAFT_LENGTHS[draft_kind]:
         stats = SpeculationStats()
-        out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k,
+        out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k, adaptive_draft_length=False,
                                              max_tokens=NUM_TOKENS, stats=stats))
         assert [t for t, _, _ in out] == want, f"k={k}"
         assert sum(from_draft for _, _, from_draft in out) == stats.num_accepted
@@ -151,7 +151,7 @@ def test_caches_after_speculation_equal_a_fresh_feed(target_name):
     target, draft = model(target_name), noisy(target_name)
     for stop_after in (NUM_TOKENS, 13):
         cache = make_prompt_cache(target) + make_prompt_cache(draft)
-        generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
+        generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
                                               max_tokens=NUM_TOKENS, prompt_cache=cache)
         tokens = PROMPT.tolist() + [t for t, _, _ in (next(generator) for _ in range(stop_after))]
         generator.close()
@@ -231,7 +231,7 @@ def faulty_run(target, draft, faults, max_kv_size):
     yielded, raised = [], None
     generator = speculative_generate_step(
         PROMPT, Watched(target, faults, "target"), Watched(draft, faults, "draft"),
-        num_draft_tokens=FAULT_K, max_tokens=FAULT_TOKENS, prompt_cache=cache,
+        num_draft_tokens=FAULT_K, adaptive_draft_length=False, max_tokens=FAULT_TOKENS, prompt_cache=cache,
         sampler=faults.sampler, logits_processors=[faults.processor],
     )
     try:
@@ -281,7 +281,7 @@ def test_close_or_throw_at_every_yield(fault_pair):
     for num_taken in range(1, 8):
         for how in ("close", "throw"):
             cache = make_prompt_cache(target, window) + make_prompt_cache(draft, window)
-            generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=FAULT_K,
+            generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=FAULT_K, adaptive_draft_length=False,
                                                   max_tokens=FAULT_TOKENS, prompt_cache=cache)
             tokens = PROMPT.tolist() + [t for t, _, _ in (next(generator) for _ in range(num_taken))]
             if how == "close":
@@ -359,7 +359,7 @@ def test_draft_tables_of_another_size_use_the_shared_range():
         draft = with_table(noisy("llama_tf4"), rows)
         cache = make_prompt_cache(target) + make_prompt_cache(draft)
         stats = SpeculationStats()
-        out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
+        out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
                                              max_tokens=NUM_TOKENS, prompt_cache=cache, stats=stats))
         assert [t for t, _, _ in out] == want, f"draft table {rows}"
         assert stats.num_accepted > 0, f"draft table {rows}"
@@ -370,7 +370,7 @@ def test_draft_tables_of_another_size_use_the_shared_range():
             assert any(t >= rows for t in tokens)  # the draft was fed ids beyond its table
             tokens = [t if t < rows else 0 for t in tokens]
         assert_holds(draft, draft_cache, tokens, exact=True)
-        processed = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=16,
+        processed = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False, max_tokens=16,
                                               logits_processors=processors)
         assert [t for t, _, _ in processed] == want_processed, f"draft table {rows}"
 
@@ -411,7 +411,7 @@ def test_tokenizer_check_compares_tokens_not_table_sizes(tokenizer_dirs):
     check_same_tokenizer(tokenizer, padded_tokenizer, "target", "padded")
     prompt = "def fibonacci(n):"
     want = [r.text for r in stream_generate(target, tokenizer, prompt, max_tokens=16)]
-    got = list(stream_generate(target, tokenizer, prompt, max_tokens=16, draft_model=padded, num_draft_tokens=3))
+    got = list(stream_generate(target, tokenizer, prompt, max_tokens=16, draft_model=padded, num_draft_tokens=3, adaptive_draft_length=False))
     assert [r.text for r in got] == want and got[-1].speculation.num_accepted > 0
 
     swapped_tokenizer = load(str(tokenizer_dirs["swapped"]))[1]
@@ -459,7 +459,7 @@ def test_stream_generate_with_draft_reports_speculation(tiny_model_dir):
     draft, _ = load(str(tiny_model_dir))
     plain_text = [r.text for r in stream_generate(target, tokenizer, "def f(x):", max_tokens=16)]
     responses = list(stream_generate(target, tokenizer, "def f(x):", max_tokens=16,
-                                     draft_model=draft, num_draft_tokens=4))
+                                     draft_model=draft, num_draft_tokens=4, adaptive_draft_length=False))
     assert [r.text for r in responses] == plain_text
     last = responses[-1].speculation
     assert last.num_accepted == last.num_drafted > 0 and last.num_target_forwards < 16
@@ -477,7 +477,7 @@ def test_quantized_kv_cache_with_speculation(tmp_path):
     kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=24)
     want = [t for t, _ in generate_step(PROMPT, target, max_tokens=20, **kv)]
     cache = make_prompt_cache(target) + make_prompt_cache(draft)
-    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
+    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
                                          max_tokens=20, prompt_cache=cache, **kv))
     assert [t for t, _, _ in out] == want
     assert any(0 < n < 3 for n in accepted_per_round(out)[:-1]), accepted_per_round(out)
@@ -493,7 +493,55 @@ def test_logits_processors_apply_as_in_plain_generation():
     processors = make_logits_processors(repetition_penalty=3.0, repetition_context_size=8)
     want = [t for t, _ in generate_step(PROMPT, target, max_tokens=24, logits_processors=processors)]
     assert want != plain(target, num_tokens=24)
-    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=24,
+    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False, max_tokens=24,
                                          logits_processors=processors))
     assert [t for t, _, _ in out] == want
     assert any(0 < n < 3 for n in accepted_per_round(out)[:-1]), accepted_per_round(out)
+
+
+# ---------------------------------------------------------------------------
+# Adaptive draft length (the default): speed only, never the tokens.
+
+
+@pytest.mark.parametrize("target_name", ["llama_tf4", "qwen3_next_tf5"])
+def test_adaptive_draft_length_keeps_greedy_output_and_stops_drafting_for_a_useless_draft(target_name):
+    target = model(target_name)
+    for kind in ("disagreeing", "noisy"):
+        stats = SpeculationStats()
+        out = list(speculative_generate_step(PROMPT, target, draft_for(kind, target_name), num_draft_tokens=4,
+                                             max_tokens=60, stats=stats))
+        assert [t for t, _, _ in out] == plain(target, num_tokens=60), kind
+        rounds = sum(stats.draft_lengths)
+        assert rounds == stats.num_target_forwards and len(stats.draft_lengths) == 5  # k = 0..4
+        if kind == "disagreeing":  # acceptance ~0: plain steps but for the slow start and the probes
+            assert stats.draft_lengths[0] >= 0.75 * rounds, stats
+            assert stats.mean_draft_length < 0.5
+
+
+def test_a_draft_left_behind_by_plain_rounds_still_meets_the_cache_contract():
+    """Plain rounds (k = 0) do not feed the draft; closing, finishing or failing after
+    them must still leave it holding exactly what the target holds."""
+    target, draft = model("llama_tf4"), draft_for("disagreeing", "llama_tf4")
+    for ending in ("close", "finish", "raise"):
+        cache = make_prompt_cache(target) + make_prompt_cache(draft)
+        stats = SpeculationStats()
+        generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=4, max_tokens=30,
+                                              prompt_cache=cache, stats=stats)
+        yielded = []
+        for token, _, _ in generator:
+            yielded.append(token)
+            if len(yielded) == 20 and ending != "finish":
+                break
+        if ending == "close":
+            generator.close()
+            expected = PROMPT.size + len(yielded)
+        elif ending == "raise":
+            with pytest.raises(KeyError):
+                generator.throw(KeyError("stop"))
+            expected = PROMPT.size + len(yielded) - 1
+        else:
+            expected = PROMPT.size + len(yielded)
+        assert stats.draft_lengths[0] > 0, stats  # the draft was left behind at some point
+        num_target = len(target.layers)
+        assert {c.offset for c in cache[:num_target]} == {expected}, ending
+        assert {c.offset for c in cache[num_target:]} == {expected}, ending
