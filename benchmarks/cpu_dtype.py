@@ -88,7 +88,8 @@ def main():
     speculative = "demo pair speculative k=4, auto"
     decoders = {name: (lambda p, m=model: generate_step(p, m, max_tokens=args.tokens)) for name, model in rows.items()}
     decoders[speculative] = lambda p: speculative_generate_step(
-        p, rows["float16 checkpoint, auto"], draft, num_draft_tokens=4, max_tokens=args.tokens)
+        p, rows["float16 checkpoint, auto"], draft, num_draft_tokens=4, adaptive_draft_length=False,
+        max_tokens=args.tokens)
     for decode in decoders.values():  # warm up every path once
         tokens_per_second(decode, prompts[:1], 8)
     samples = {name: [] for name in decoders}

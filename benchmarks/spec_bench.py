@@ -45,6 +45,7 @@ and results/spec_bench.png.
 """
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -112,7 +113,11 @@ def worker(spec: dict) -> dict:
     if draft is None:
         step_fn = lambda p: generate_step(p, model, max_tokens=tokens)  # noqa: E731
     else:
-        step_fn = lambda p: speculative_generate_step(p, model, draft, num_draft_tokens=k, max_tokens=tokens)  # noqa: E731
+        # This fork drafts an adaptive length by default; the peer comparison is per fixed k.
+        fixed = ({"adaptive_draft_length": False}
+                 if "adaptive_draft_length" in inspect.signature(speculative_generate_step).parameters else {})
+        step_fn = lambda p: speculative_generate_step(p, model, draft, num_draft_tokens=k, max_tokens=tokens,  # noqa: E731
+                                                      **fixed)
     try:
         timed_generation(step_fn, spec["prompts"][:1], 8)  # warm-up
         runs = [timed_generation(step_fn, spec["prompts"], tokens) for _ in range(spec.get("reps", 1))]
@@ -295,7 +300,7 @@ def measure_ours(target, draft, prompts, args) -> dict:
                 if isinstance(draft_model, SyntheticDraft):
                     draft_model.current = i
                 spec_fn = lambda p: speculative_generate_step(  # noqa: E731
-                    p, target, draft_model, num_draft_tokens=k, max_tokens=args.tokens)
+                    p, target, draft_model, num_draft_tokens=k, adaptive_draft_length=False, max_tokens=args.tokens)
                 seconds, out, fl = timed_generation(spec_fn, [prompt], args.tokens)
                 spec_seconds += seconds
                 outputs += out

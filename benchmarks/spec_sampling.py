@@ -10,8 +10,8 @@ law); token matching is the same sampler wrapped in a plain function, which hide
 law, so the loop falls back to accepting the drafts equal to the target's own draws.
 
 For each temperature and each repetition the configurations run back to back in an
-order that rotates between repetitions (plain; then for k = 1..max-k rejection and
-matching), every one with the same seed per prompt, so load from other users of the
+order that rotates between repetitions (plain; the defaults, an adaptive draft length of
+at most 3; then for k = 1..max-k, pinned, rejection and matching), every one with the same seed per prompt, so load from other users of the
 machine hits all alike. tok/s is the generated tokens over the wall time of the whole
 call (prefill included; the prompts are short), summed over the code prompts; a speedup
 is the ratio to plain decoding's time in the same repetition, then the median over
@@ -62,15 +62,18 @@ def measure(target, draft, prompts, temp: float, args) -> dict:
     def matching(logprobs):  # a plain function: no law, so token matching
         return sampler(logprobs)
 
-    configs = [("plain", 0)] + [(rule, k) for k in range(1, args.max_k + 1) for rule in ("rejection", "matching")]
+    configs = [("plain", 0), ("adaptive", CLI_DEFAULT_K)]
+    configs += [(rule, k) for k in range(1, args.max_k + 1) for rule in ("rejection", "matching")]
     results = {c: dict(seconds=[], accepted=0, drafted=0, forwards=0) for c in configs}
 
     def step_fn(rule, k, stats):
         if rule == "plain":
             return lambda p: generate_step(p, target, max_tokens=args.tokens, sampler=sampler)
-        chosen = sampler if rule == "rejection" else matching
+        # "adaptive": the defaults (draft length chosen per round, at most k); the others pin k.
+        chosen = matching if rule == "matching" else sampler
         return lambda p: speculative_generate_step(p, target, draft, num_draft_tokens=k, max_tokens=args.tokens,
-                                                   sampler=chosen, stats=stats)
+                                                   sampler=chosen, stats=stats,
+                                                   adaptive_draft_length=rule == "adaptive")
 
     run_once(step_fn("rejection", 2, SpeculationStats()), prompts[:1], 8, 0)  # warm-up
     for rep in range(args.reps):
@@ -83,6 +86,7 @@ def measure(target, draft, prompts, temp: float, args) -> dict:
             row["accepted"] += stats.num_accepted
             row["drafted"] += stats.num_drafted
             row["forwards"] += stats.num_target_forwards
+            row.setdefault("draft_lengths", []).append(stats.mean_draft_length)
         print(f"T={temp} rep {rep + 1}/{args.reps} done", flush=True)
     total_tokens = args.tokens * len(prompts)
     plain = results[("plain", 0)]["seconds"]
@@ -91,6 +95,7 @@ def measure(target, draft, prompts, temp: float, args) -> dict:
         row["speedup"] = statistics.median(p / s for p, s in zip(plain, row["seconds"]))
         row["rate"] = row["accepted"] / row["drafted"] if row["drafted"] else None
         row["per_forward"] = total_tokens * args.reps / row["forwards"] if row["forwards"] else None
+        row["mean_k"] = statistics.mean(row["draft_lengths"]) if row.get("draft_lengths") else 0.0
     return results
 
 
@@ -108,12 +113,21 @@ def write_report(all_results, header, args) -> str:
         if args.max_k >= CLI_DEFAULT_K else f"- k={CLI_DEFAULT_K} not measured",
         f"- best fixed k: k={best}, **{at[('rejection', best)]['speedup']:.2f}x** "
         f"(acceptance {at[('rejection', best)]['rate']:.1%})",
+        f"- defaults (adaptive draft length, at most {CLI_DEFAULT_K}): "
+        f"**{at[('adaptive', CLI_DEFAULT_K)]['speedup']:.2f}x** plain, mean draft length "
+        f"{at[('adaptive', CLI_DEFAULT_K)]['mean_k']:.2f}",
         "",
     ]
     for temp, results in all_results.items():
         plain = results[("plain", 0)]
         lines += [
             f"## T = {temp}, top_p {TOP_P}: plain sampled decoding {plain['tok_s']:.1f} tok/s",
+            "",
+            f"Defaults (adaptive draft length, at most {CLI_DEFAULT_K}, speculative sampling): "
+            f"{results[('adaptive', CLI_DEFAULT_K)]['tok_s']:.1f} tok/s, "
+            f"**{results[('adaptive', CLI_DEFAULT_K)]['speedup']:.2f}x**, acceptance "
+            f"{results[('adaptive', CLI_DEFAULT_K)]['rate'] or 0:.1%}, mean draft length "
+            f"{results[('adaptive', CLI_DEFAULT_K)]['mean_k']:.2f}. Fixed draft lengths:",
             "",
             "| k | acceptance: rejection | acceptance: matching | tokens / forward: rejection | "
             "tok/s: rejection | tok/s: matching | speedup: rejection | speedup: matching |",
