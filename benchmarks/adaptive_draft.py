@@ -22,20 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 from gdn_prefill import RESULTS  # noqa: E402
+from cpu_dtype import tokens_per_second  # noqa: E402
 from spec_bench import DRAFT, PROMPTS, TARGET, loaded_blas, reexec_with_blas  # noqa: E402
-
-
-def seconds_for(step_fn, prompts, tokens: int) -> float:
-    import mlx.core as mx
-
-    total = 0.0
-    for prompt in prompts:
-        start = time.perf_counter()
-        for n, _ in enumerate(step_fn(mx.array(prompt)), 1):
-            if n == tokens:
-                break
-        total += time.perf_counter() - start
-    return total
 
 
 def random_copy(draft):
@@ -81,18 +69,17 @@ def main():
                                                    adaptive_draft_length=mode == "adaptive", stats=stats)
 
     for config in configs:  # warm up every path
-        seconds_for(step_fn(config, SpeculationStats()), prompts[:1], 8)
+        tokens_per_second(step_fn(config, SpeculationStats()), prompts[:1], 8)
     started = time.time()
     for rep in range(args.reps):
         shift = rep * len(configs) // args.reps
         for config in configs[shift:] + configs[:shift]:
             stats = SpeculationStats()
-            samples[config].append(seconds_for(step_fn(config, stats), prompts, args.tokens))
+            samples[config].append(tokens_per_second(step_fn(config, stats), prompts, args.tokens))
             mean_k[config].append(stats.mean_draft_length)
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
-    plain = samples[configs[0]]
-    total = args.tokens * len(prompts)
-    speedup = {c: statistics.median(p / s for p, s in zip(plain, samples[c])) for c in configs}
+    plain = samples[configs[0]]  # tokens/s per repetition
+    speedup = {c: statistics.median(s / p for p, s in zip(plain, samples[c])) for c in configs}
 
     lines = [
         "# Adaptive draft length vs fixed k (greedy, demo target)",
@@ -102,7 +89,7 @@ def main():
         f"- {len(prompts)} prompts x {args.tokens} tokens, {args.reps} repetitions "
         f"({(time.time() - started) / 60:.1f} min); float32 (load's auto dtype on the CPU)",
         "- command: `python benchmarks/adaptive_draft.py" + "".join(f" {a}" for a in sys.argv[1:]) + "`",
-        f"- plain decoding: {total / statistics.median(plain):.1f} tok/s",
+        f"- plain decoding: {statistics.median(plain):.1f} tok/s",
         "",
         "| draft | draft length | tok/s | vs plain | mean k |",
         "|---|---|---:|---:|---:|",
@@ -110,7 +97,7 @@ def main():
     for config in configs[1:]:
         name, mode, k = config
         label = f"adaptive, cap {k}" if mode == "adaptive" else f"fixed k={k}"
-        lines.append(f"| {name} | {label} | {total / statistics.median(samples[config]):.1f} | "
+        lines.append(f"| {name} | {label} | {statistics.median(samples[config]):.1f} | "
                      f"**{speedup[config]:.2f}x** | {statistics.mean(mean_k[config]):.2f} |")
     lines.append("")
     for name in drafts:

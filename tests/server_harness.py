@@ -10,6 +10,17 @@ import time
 
 import openai
 import pytest
+from checkpoints import TINY_CONFIGS, write_checkpoint
+
+
+def write_server_models(root):
+    """Tiny checkpoints for server tests: a dense target, a draft that agrees with it
+    about half of the time (its weights shrunk), and a hybrid (Gated DeltaNet) target."""
+    return {
+        "dense": write_checkpoint(root / "dense", TINY_CONFIGS["qwen3"]),
+        "draft": write_checkpoint(root / "draft", TINY_CONFIGS["qwen3"], scale=0.45),
+        "hybrid": write_checkpoint(root / "hybrid", TINY_CONFIGS["qwen3_next"]),
+    }
 
 
 def start_server(name, model_dir, log_path, draft_dir=None, flags=()):

@@ -20,8 +20,7 @@ import threading
 import time
 
 import pytest
-from checkpoints import TINY_CONFIGS, write_checkpoint
-from server_harness import start_server
+from server_harness import write_server_models, start_server
 
 from mlx_lm.generate import generate
 from mlx_lm.openai_api import ServerDefaults
@@ -39,12 +38,7 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("http_models")
-    return {
-        "dense": write_checkpoint(root / "dense", TINY_CONFIGS["qwen3"]),
-        "draft": write_checkpoint(root / "draft", TINY_CONFIGS["qwen3"], scale=0.45),
-        "hybrid": write_checkpoint(root / "hybrid", TINY_CONFIGS["qwen3_next"]),
-    }
+    return write_server_models(tmp_path_factory.mktemp("http_models"))
 
 
 @pytest.fixture(scope="module")
