@@ -370,7 +370,8 @@ def test_draft_tables_of_another_size_use_the_shared_range():
             assert any(t >= rows for t in tokens)  # the draft was fed ids beyond its table
             tokens = [t if t < rows else 0 for t in tokens]
         assert_holds(draft, draft_cache, tokens, exact=True)
-        processed = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False, max_tokens=16,
+        processed = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
+                                              max_tokens=16,
                                               logits_processors=processors)
         assert [t for t, _, _ in processed] == want_processed, f"draft table {rows}"
 
@@ -493,7 +494,8 @@ def test_logits_processors_apply_as_in_plain_generation():
     processors = make_logits_processors(repetition_penalty=3.0, repetition_context_size=8)
     want = [t for t, _ in generate_step(PROMPT, target, max_tokens=24, logits_processors=processors)]
     assert want != plain(target, num_tokens=24)
-    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False, max_tokens=24,
+    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
+                                         max_tokens=24,
                                          logits_processors=processors))
     assert [t for t, _, _ in out] == want
     assert any(0 < n < 3 for n in accepted_per_round(out)[:-1]), accepted_per_round(out)

@@ -198,7 +198,8 @@ def test_speculative_sampling_has_the_target_law(case):
     sampler, processors = make_sampler(**sampler_args), make_logits_processors(**processor_args)
     mx.random.seed(11)
     stats = SpeculationStats()
-    tokens = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k, adaptive_draft_length=False, stats=stats,
+    tokens = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k, adaptive_draft_length=False,
+                                                         stats=stats,
                                                          max_tokens=num_tokens, sampler=sampler,
                                                          logits_processors=processors)]
     assert 0.2 < stats.acceptance_rate < 0.8  # rejections and acceptances, and rollbacks
@@ -232,7 +233,8 @@ def test_acceptance_on_the_generated_text_is_sum_min():
     sampler, processors = make_sampler(temp=1.0, top_p=0.95), make_logits_processors(repetition_penalty=1.2)
     mx.random.seed(21)
     out = []
-    for item in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=1, adaptive_draft_length=False, max_tokens=-1,
+    for item in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=1, adaptive_draft_length=False,
+                                          max_tokens=-1,
                                           sampler=sampler, logits_processors=processors):
         out.append(item)
         if len(out) == 1200:
@@ -268,10 +270,12 @@ def test_same_seed_same_output_and_greedy_unchanged():
     assert runs[0] == runs[1] and stats.acceptance_rule == "speculative sampling"
     # A round with nothing to draft (one token left) samples the bonus alone.
     mx.random.seed(5)
-    (only,) = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False, max_tokens=1, sampler=sampler)
+    (only,) = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
+                                        max_tokens=1, sampler=sampler)
     assert only[2] is False and 0 <= only[0] < VOCAB
     plain = [t for t, _ in generate_step(PROMPT, target, max_tokens=40)]
-    greedy = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False, max_tokens=40,
+    greedy = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
+                                                         max_tokens=40,
                                                          stats=stats)]
     assert greedy == plain and stats.acceptance_rule == "token matching"
 
@@ -283,7 +287,8 @@ def test_a_sampler_function_falls_back_to_token_matching():
     plain = [t for t, _ in generate_step(PROMPT, target, max_tokens=30)]
     argmax = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
     stats = SpeculationStats()
-    out = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=2, adaptive_draft_length=False, max_tokens=30,
+    out = [t for t, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=2, adaptive_draft_length=False,
+                                                      max_tokens=30,
                                                       sampler=argmax, stats=stats)]
     assert out == plain and 0 < stats.num_accepted < stats.num_drafted
     assert stats.acceptance_rule == "token matching"
