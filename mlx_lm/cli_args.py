@@ -1,11 +1,12 @@
 """What the command lines share: argparse value types, defaults and the help layout.
 
-A leaf module (argparse and json only), so the CLIs (generate, cache_prompt, server)
+A leaf module (the standard library only), so the CLIs (generate, cache_prompt, server)
 can share it without importing one another.
 """
 
 import argparse
 import json
+import math
 import sys
 
 DEFAULT_MODEL = "mlx-community/Llama-3.2-3B-Instruct-4bit"
@@ -52,6 +53,13 @@ def positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return number
+
+
+def positive_float(value: str) -> float:
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
     return number
 
 

@@ -14,11 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
-import mlx.core as mx
-
 from . import tokenizer_utils
 from .cli_args import HelpFormatter, format_bytes
 from .utils import (
+    DTYPES,
     QUANT_MODES,
     QuantPredicate,
     cast_floats,
@@ -32,8 +31,6 @@ from .utils import (
     save_config,
     save_model,
 )
-
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 # Copied as they are: what generation needs beyond config and tokenizer.
 EXTRA_FILES = ["generation_config.json"]

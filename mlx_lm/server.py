@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, List, Optional
 from urllib.parse import unquote
 
-from .cli_args import HelpFormatter, add_dtype_argument, json_object, positive_int
+from .cli_args import HelpFormatter, add_dtype_argument, json_object, positive_float, positive_int
 from .openai_api import (
     MAX_BODY_BYTES,
     MAX_JSON_DEPTH,
@@ -413,13 +413,6 @@ def parse_size(value: str) -> int:
     number, unit, binary = match.groups()
     base = 1024 if binary else 1000
     return int(float(number) * base ** " KMGT".index(unit or " "))
-
-
-def positive_float(value: str) -> float:
-    number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
-    return number
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
