@@ -424,6 +424,27 @@ def verify(
     return processed_logprobs(logits, history, drafts, logits_processors)
 
 
+def plain_step(
+    target: _Side,
+    sequence: List[int],
+    pending: Optional[mx.array],
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
+) -> Tuple[mx.array, mx.array]:
+    """Queue one plain target step (lazy): feed what the target has not seen of
+    `sequence`, then `pending` (a sampled token not yet in `sequence`, (1,), or None),
+    and sample the token after it from the target alone. Returns (token (1,), logprobs (V,))."""
+    num_in_cache = target.num_held + target.num_fed
+    inputs = mx.array(sequence[num_in_cache:], mx.uint32)
+    history = mx.array(sequence) if logits_processors else None
+    if pending is not None:
+        inputs = mx.concatenate([inputs, pending.astype(mx.uint32)])
+        history = None if history is None else mx.concatenate([history, pending])
+    logits = target.forward(inputs)[-1:]
+    logprobs = processed_logprobs(logits, history, mx.array([], mx.uint32), logits_processors)
+    return sampler(logprobs), logprobs[0]
+
+
 def accept(
     logprobs: mx.array,
     drafts: mx.array,
@@ -554,6 +575,33 @@ def speculative_generate_step(
             round_start = time.perf_counter()
             remaining = num_draft_tokens + 1 if max_tokens == -1 else max_tokens - num_yielded
             num_draft = min(policy.choose(), remaining - 1)
+            if num_draft == 0 and policy.choose() == 0:
+                # Plain steps while the policy keeps choosing k = 0, pipelined as in
+                # generate_step: each step queues the next (feeding its own token) before
+                # syncing, so at a yield the target holds every yielded token. The draft
+                # is not fed; its next drafting round catches up in one forward.
+                token_array, token_logprobs = plain_step(target, sequence, None, sampler, processors)
+                mx.async_eval(token_array)
+                step_start = round_start
+                while True:
+                    more = policy.choose() == 0 and (max_tokens == -1 or num_yielded + 1 < max_tokens)
+                    if more:
+                        next_array, next_logprobs = plain_step(target, sequence, token_array, sampler, processors)
+                        mx.async_eval(next_array)
+                    token = token_array.item()
+                    sequence.append(token)
+                    target.num_held, target.num_fed = target.num_held + target.num_fed, 0
+                    policy.update(0, 0, time.perf_counter() - step_start)
+                    stats.num_target_forwards += 1
+                    stats.draft_lengths = policy.counts[:]
+                    quantize_kv(target.cache)
+                    num_yielded += 1
+                    yield token, token_logprobs, False
+                    if not more:
+                        break
+                    step_start = time.perf_counter()  # the consumer's time is not the step's
+                    token_array, token_logprobs = next_array, next_logprobs
+                continue
 
             # Draft, then verify all drafts in one target forward (queued behind the lazy
             # drafts; the round's one sync is accept's).

@@ -12,6 +12,7 @@ draft's cache must give bit-identical logits, since it runs the same computation
 target's verify forwards take several tokens at once, so its logits agree to 1e-4.
 """
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -547,3 +548,40 @@ def test_a_draft_left_behind_by_plain_rounds_still_meets_the_cache_contract():
         num_target = len(target.layers)
         assert {c.offset for c in cache[:num_target]} == {expected}, ending
         assert {c.offset for c in cache[num_target:]} == {expected}, ending
+
+
+def test_plain_stretches_keep_the_contract_at_every_failure_and_close():
+    """The pipelined plain steps (k = 0) hold one more token than a round does between
+    yields; a processor failing at any call, or a close at any yield, must still leave
+    both caches at the contract."""
+    target, draft = model("llama_tf4"), draft_for("disagreeing", "llama_tf4")
+    want = plain(target, num_tokens=30)
+    num_target = len(target.layers)
+    for fail_at in range(1, 31, 2):  # every token takes at least one call: 30 tokens, >= 30 calls
+        calls = []
+
+        def processor(history, logits):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("boom")
+            return logits
+
+        cache = make_prompt_cache(target) + make_prompt_cache(draft)
+        stats, yielded = SpeculationStats(), []
+        with pytest.raises(RuntimeError, match="boom"):
+            for token, _, _ in speculative_generate_step(PROMPT, target, draft, num_draft_tokens=4, max_tokens=30,
+                                                         prompt_cache=cache, stats=stats,
+                                                         logits_processors=[processor]):
+                yielded.append(token)
+        assert yielded == want[: len(yielded)]
+        expected = PROMPT.size + len(yielded) - 1  # before the first yield: the prompt but its last token
+        assert {c.offset for c in cache[:num_target]} == {expected}, (fail_at, len(yielded))
+        assert {c.offset for c in cache[num_target:]} == {expected}, (fail_at, len(yielded))
+    for close_at in (1, 5, 17, 29):
+        cache = make_prompt_cache(target) + make_prompt_cache(draft)
+        generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=4, max_tokens=30,
+                                              prompt_cache=cache, stats=stats)
+        yielded = [token for token, _, _ in itertools.islice(generator, close_at)]
+        generator.close()
+        assert yielded == want[:close_at]
+        assert {c.offset for c in cache} == {PROMPT.size + close_at}, close_at
