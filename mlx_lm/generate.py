@@ -445,6 +445,46 @@ def plain_step(
     return sampler(logprobs), logprobs[0]
 
 
+def plain_stretch(
+    target: _Side,
+    sequence: List[int],
+    policy: DraftLengthPolicy,
+    stats: SpeculationStats,
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
+    quantize_kv: Callable[[List[Any]], None],
+    limit: Optional[int],
+    start: float,
+) -> Generator[Tuple[int, mx.array], None, None]:
+    """Yield (token, logprobs) from the target alone while `policy` keeps choosing k = 0,
+    at most `limit` tokens (None: no limit), pipelined as in generate_step: each step
+    queues the next (feeding its own token) before syncing, so at a yield the target
+    holds `sequence`, every token yielded included; after the last, all but it (a
+    round's state). Appends to `sequence`; the draft is not fed (its next drafting
+    round catches up in one forward). `start`: when the first step began."""
+    token_array, token_logprobs = plain_step(target, sequence, None, sampler, logits_processors)
+    mx.async_eval(token_array)
+    num_steps = 0
+    while True:
+        more = policy.choose() == 0 and (limit is None or num_steps + 1 < limit)
+        if more:
+            next_array, next_logprobs = plain_step(target, sequence, token_array, sampler, logits_processors)
+            mx.async_eval(next_array)
+        token = token_array.item()
+        sequence.append(token)
+        target.num_held, target.num_fed = target.num_held + target.num_fed, 0
+        policy.update(0, 0, time.perf_counter() - start)
+        stats.num_target_forwards += 1
+        stats.draft_lengths = policy.counts[:]
+        quantize_kv(target.cache)
+        num_steps += 1
+        yield token, token_logprobs
+        if not more:
+            return
+        start = time.perf_counter()  # the consumer's time is not the step's
+        token_array, token_logprobs = next_array, next_logprobs
+
+
 def accept(
     logprobs: mx.array,
     drafts: mx.array,
@@ -574,34 +614,16 @@ def speculative_generate_step(
             target.num_fed = draft.num_fed = 0
             round_start = time.perf_counter()
             remaining = num_draft_tokens + 1 if max_tokens == -1 else max_tokens - num_yielded
-            num_draft = min(policy.choose(), remaining - 1)
-            if num_draft == 0 and policy.choose() == 0:
-                # Plain steps while the policy keeps choosing k = 0, pipelined as in
-                # generate_step: each step queues the next (feeding its own token) before
-                # syncing, so at a yield the target holds every yielded token. The draft
-                # is not fed; its next drafting round catches up in one forward.
-                token_array, token_logprobs = plain_step(target, sequence, None, sampler, processors)
-                mx.async_eval(token_array)
-                step_start = round_start
-                while True:
-                    more = policy.choose() == 0 and (max_tokens == -1 or num_yielded + 1 < max_tokens)
-                    if more:
-                        next_array, next_logprobs = plain_step(target, sequence, token_array, sampler, processors)
-                        mx.async_eval(next_array)
-                    token = token_array.item()
-                    sequence.append(token)
-                    target.num_held, target.num_fed = target.num_held + target.num_fed, 0
-                    policy.update(0, 0, time.perf_counter() - step_start)
-                    stats.num_target_forwards += 1
-                    stats.draft_lengths = policy.counts[:]
-                    quantize_kv(target.cache)
+            chosen = policy.choose()
+            if chosen == 0:
+                # Plain steps while the policy keeps choosing k = 0 (the draft not fed).
+                limit = None if max_tokens == -1 else remaining
+                for token, token_logprobs in plain_stretch(target, sequence, policy, stats, sampler, processors,
+                                                           quantize_kv, limit, round_start):
                     num_yielded += 1
                     yield token, token_logprobs, False
-                    if not more:
-                        break
-                    step_start = time.perf_counter()  # the consumer's time is not the step's
-                    token_array, token_logprobs = next_array, next_logprobs
                 continue
+            num_draft = min(chosen, remaining - 1)
 
             # Draft, then verify all drafts in one target forward (queued behind the lazy
             # drafts; the round's one sync is accept's).
