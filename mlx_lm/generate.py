@@ -305,6 +305,12 @@ def _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size) -> 
     return prompt_cache
 
 
+def ids_within(tokens: mx.array, table_size: int) -> mx.array:
+    """`tokens` with ids beyond an embedding table of `table_size` rows replaced by 0
+    (a draft with a smaller table than the target's; see _Side)."""
+    return mx.where(tokens < table_size, tokens, 0)
+
+
 @dataclass
 class _Side:
     """One model of a speculative run and what its cache holds: the first `num_held`
@@ -327,10 +333,7 @@ class _Side:
     num_fed: int = 0
 
     def model_ids(self, tokens: mx.array) -> mx.array:
-        """`tokens` with ids beyond this model's table replaced by 0."""
-        if self.table_size >= self.num_columns:
-            return tokens
-        return mx.where(tokens < self.table_size, tokens, 0)
+        return tokens if self.table_size >= self.num_columns else ids_within(tokens, self.table_size)
 
     def forward(self, tokens: mx.array) -> mx.array:
         """Logits (T, num_columns) after each of `tokens` (1-D). MLX writes the cache

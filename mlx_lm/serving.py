@@ -45,7 +45,14 @@ from typing import Any, Callable, Generator, List, Optional
 
 import mlx.core as mx
 
-from .generate import GenerationResponse, check_can_speculate, check_same_tokenizer, prefill, stream_generate
+from .generate import (
+    GenerationResponse,
+    check_can_speculate,
+    check_same_tokenizer,
+    ids_within,
+    prefill,
+    stream_generate,
+)
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from .openai_api import (
@@ -240,15 +247,17 @@ class ServedModel:
         (it may raise to cancel); returns the last token. Same chunks as
         `generate.prefill`, so the caches are the ones `stream_generate` would build."""
         num_target = len(self.model.layers)
-        parts = [(self.model, prompt_cache[:num_target])]
-        if self.draft_model is not None:
-            parts.append((self.draft_model, prompt_cache[num_target:]))
         prompt = mx.array(tokens)
+        parts = [(self.model, prompt_cache[:num_target], prompt)]
+        if self.draft_model is not None:
+            # As speculation feeds it: ids beyond a smaller draft table become 0.
+            draft_prompt = ids_within(prompt, self.draft_model.args.vocab_size)
+            parts.append((self.draft_model, prompt_cache[num_target:], draft_prompt))
         for start in range(0, len(tokens) - 1, step):
             end = min(start + step, len(tokens) - 1)
-            for model, cache in parts:
+            for model, cache, ids in parts:
                 # generate.prefill feeds all it is given but the last: tokens[start:end].
-                prefill(model, prompt[start : end + 1], cache, step, lambda done, total: None)
+                prefill(model, ids[start : end + 1], cache, step, lambda done, total: None)
             progress(end, len(tokens))
         return tokens[-1:]
 

@@ -585,3 +585,21 @@ def test_plain_stretches_keep_the_contract_at_every_failure_and_close():
         generator.close()
         assert yielded == want[:close_at]
         assert {c.offset for c in cache} == {PROMPT.size + close_at}, close_at
+
+
+def test_server_prefill_feeds_a_smaller_draft_table_in_range(tmp_path):
+    """The server prefills the draft itself: prompt ids beyond a smaller draft table
+    must reach it as speculation feeds them (0), not past its embedding table."""
+    from mlx_lm.serving import ServedModel
+
+    source = write_checkpoint(tmp_path / "llama", TINY_CONFIGS["llama"])
+    served = ServedModel(str(source), str(source), 10, 1 << 30)
+    served.draft_model = with_table(served.draft_model, 200)
+    prompt = [5, 300, 17, 450, 9, 2]  # ids 300 and 450 lie beyond the draft's 200 rows
+    cache = served.make_cache()
+    assert served.prefill(prompt, cache, 2, lambda done, total: None) == prompt[-1:]
+    num_target = len(served.model.layers)
+    fresh = make_prompt_cache(served.draft_model)
+    served.draft_model(mx.array([[5, 0, 17, 0, 9]]), cache=fresh)
+    for fed, want in zip(cache[num_target:], fresh):
+        assert all(mx.array_equal(a, b) for a, b in zip(fed.state, want.state))
