@@ -1,4 +1,9 @@
-"""Drafting for speculative decoding: the acceptance rules and the draft length.
+"""Drafting for speculative decoding: the drafters, the acceptance rules and the draft length.
+
+Drafters (DESIGN.md §3a) propose the next tokens of a sequence for the target to verify:
+`DraftModel` (a smaller model sharing the target's tokenizer) and `PromptLookup`
+(n-gram lookup in the tokens seen so far, no model). The loop that verifies, accepts,
+rolls back and reports (generate.speculative_generate_step) is written once for all.
 
 Speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023,
 arXiv:2302.01318): the draft proposes x_1..x_K, each drawn from its law q_i; the
@@ -6,18 +11,331 @@ target's laws p_1..p_{K+1} come from one forward. x_i is accepted with probabili
 min(1, p_i(x_i) / q_i(x_i)); at the first rejection the token is drawn from
 norm(max(0, p_i - q_i)) instead, and after K acceptances a bonus token is drawn from
 p_{K+1}. Each emitted token then has exactly the target's law, and a draft is accepted
-with probability sum_x min(p_i(x), q_i(x)). The acceptance functions take
-log-probabilities and allow leading batch dimensions (`...`).
+with probability sum_x min(p_i(x), q_i(x)). A point-mass drafter (prompt lookup) is
+the case q_i = one-hot(x_i): x_i is accepted with probability p_i(x_i). The acceptance
+functions take log-probabilities and allow leading batch dimensions (`...`).
 
-Draft length (DESIGN.md §3a): chosen per round from the measured acceptance and the
-measured round costs; `num_draft_tokens` is only the cap, and k = 0 (a plain target
-step) is allowed when drafting would lose.
+Draft length: chosen per round from the measured acceptance and the measured round
+costs; `num_draft_tokens` is only the cap, and k = 0 (a plain target step) is allowed
+when drafting would lose.
 """
 
 import math
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
+
+from .models.cache import trim_prompt_cache
+from .sample_utils import CategoricalSampler
+
+Processors = List[Callable[[mx.array, mx.array], mx.array]]
+
+# ---------------------------------------------------------------------------
+# Feeding a model and its cache
+# ---------------------------------------------------------------------------
+
+
+def prefill(
+    model: nn.Module,
+    prompt: mx.array,
+    prompt_cache: List[Any],
+    prefill_step_size: int,
+    progress: Callable[[int, int], None],
+    quantize_kv: Optional[Callable[[List[Any]], None]] = None,
+) -> mx.array:
+    """Feed all prompt tokens but the last through the model in chunks; return the
+    tokens still to feed (the last one, whose logits start generation).
+    `quantize_kv(prompt_cache)` runs after each chunk (see maybe_quantize_kv_cache)."""
+    total = prompt.size
+    while prompt.size > 1:
+        n = min(prefill_step_size, prompt.size - 1)
+        model(prompt[:n][None], cache=prompt_cache)
+        if quantize_kv is not None:
+            quantize_kv(prompt_cache)
+        mx.eval([c.state for c in prompt_cache])
+        prompt = prompt[n:]
+        progress(total - prompt.size, total)
+        mx.clear_cache()
+    return prompt
+
+
+def ids_within(tokens: mx.array, table_size: int) -> mx.array:
+    """`tokens` with ids beyond an embedding table of `table_size` rows replaced by 0
+    (a draft with a smaller table than the target's; see CachedModel)."""
+    return mx.where(tokens < table_size, tokens, 0)
+
+
+@dataclass
+class CachedModel:
+    """One model of a speculative run and what its cache holds: the first `num_held`
+    tokens of the sequence, then `num_fed` more fed this round, not yet accepted.
+
+    Logits come out with `num_columns` columns, the target's vocabulary: a draft with a
+    larger table loses the extra columns, a smaller one gets -inf columns, so the draft
+    never proposes an id the target's table lacks and processors and samplers always
+    see the target's shape. Ids beyond this model's own table (a draft with a smaller
+    table, fed a padding-row id the target committed: no tokenizer has it, only an odd
+    target emits one) are fed as id 0: the draft's guesses after it may be worse, the
+    output is still the target's.
+    """
+
+    model: nn.Module
+    cache: List[Any]
+    table_size: int
+    num_columns: int
+    num_held: int = 0
+    num_fed: int = 0
+
+    def model_ids(self, tokens: mx.array) -> mx.array:
+        return tokens if self.table_size >= self.num_columns else ids_within(tokens, self.table_size)
+
+    def forward(self, tokens: mx.array) -> mx.array:
+        """Logits (T, num_columns) after each of `tokens` (1-D). MLX writes the cache
+        while it builds the graph, so the tokens count as fed when the call returns,
+        before anything that can still fail (processors, sampler, the sync)."""
+        logits = self.model(self.model_ids(tokens)[None], cache=self.cache)[0]
+        self.num_fed += tokens.size
+        if self.table_size > self.num_columns:
+            return logits[:, : self.num_columns]
+        if self.table_size < self.num_columns:
+            missing = mx.full((logits.shape[0], self.num_columns - self.table_size), -mx.inf, logits.dtype)
+            return mx.concatenate([logits, missing], axis=1)
+        return logits
+
+    def settle(self, tokens: List[int], *, feed: bool) -> None:
+        """Hold exactly `tokens`, which agree with what the cache holds and was fed up
+        to the shorter of the two: trim what lies beyond them, then, if `feed`, feed
+        (lazily) what is missing; else leave it for the next forward to catch up."""
+        num_in_cache = self.num_held + self.num_fed
+        trim_prompt_cache(self.cache, num_in_cache - len(tokens))
+        self.num_held, self.num_fed = min(num_in_cache, len(tokens)), 0
+        if self.num_held < len(tokens) and feed:
+            self.forward(mx.array(tokens[self.num_held :], mx.uint32))
+            self.num_held, self.num_fed = len(tokens), 0
+
+
+def processed_logprobs(
+    logits: mx.array,
+    history: Optional[mx.array],
+    drafts: mx.array,
+    logits_processors: Processors,
+) -> mx.array:
+    """Log-probabilities (N, V) of `logits` (N, V) after the processors, which see, for
+    row i, `history` (1-D) followed by drafts[:i] (as plain decoding would show them)."""
+    if logits_processors:
+        rows = []
+        for i in range(logits.shape[0]):
+            row, seen = logits[i : i + 1], mx.concatenate([history, drafts[:i]])
+            for processor in logits_processors:
+                row = processor(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+# ---------------------------------------------------------------------------
+# Drafters
+# ---------------------------------------------------------------------------
+
+
+class Drafter:
+    """What speculative_generate_step asks for drafts.
+
+    The loop keeps `sequence`: the prompt, then every token the target committed to.
+    A round calls `can_draft(sequence)` (cheap, host only) and then `propose(sequence,
+    k, ...)`; after the target decided, `settle(tokens)` with what the drafter must now
+    hold (the sequence minus its last token); at the end `finish(tokens, ...)`. Between
+    rounds a drafter may lag behind `sequence` (plain rounds do not call it): it
+    catches up in its next `propose`. `cache` lists the cache entries it feeds, which
+    join the target's in a speculative prompt cache (after them) and take part in the
+    rollback protocol.
+    """
+
+    cache: List[Any] = []
+
+    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
+        """Take in the prompt (1-D); afterwards the drafter holds all of it but its last token."""
+        raise NotImplementedError
+
+    def can_draft(self, sequence: List[int]) -> bool:
+        """Whether propose() would propose anything after `sequence`."""
+        raise NotImplementedError
+
+    def propose(
+        self, sequence: List[int], num_draft: int, sampler: Callable[[mx.array], mx.array], processors: Processors
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        """Up to `num_draft` tokens to follow `sequence` (1-D uint32, lazy; at least one
+        when can_draft said so), and with a CategoricalSampler the laws (n, V) each was
+        drawn from, or None where each was chosen with certainty (point masses). Under
+        any other sampler the laws are not read (token matching decides)."""
+        raise NotImplementedError
+
+    def settle(self, tokens: List[int]) -> None:
+        """After a round: hold `tokens` (what was fed beyond them is given back), or
+        lag behind them."""
+        raise NotImplementedError
+
+    def finish(self, tokens: List[int]) -> None:
+        """At the end of a run: hold exactly `tokens` (feeding lazily what is missing)."""
+        raise NotImplementedError
+
+
+class DraftModel(Drafter):
+    """A smaller model with the target's tokenizer drafts: k single-token forwards a
+    round, each token drawn by the run's sampler (from the law q the sampler gives,
+    with every processor applied, for speculative sampling)."""
+
+    def __init__(self, model: nn.Module, cache: List[Any], num_columns: int):
+        self.side = CachedModel(model, cache, model.args.vocab_size, num_columns)
+        self.cache = cache
+
+    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
+        prefill(self.side.model, self.side.model_ids(prompt), self.cache, prefill_step_size,
+                lambda done, total: None, quantize_kv)
+        self.side.num_held = prompt.size - 1
+
+    def can_draft(self, sequence: List[int]) -> bool:
+        return True
+
+    def propose(
+        self, sequence: List[int], num_draft: int, sampler: Callable[[mx.array], mx.array], processors: Processors
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        """The draft holds a prefix of `sequence[:-1]`; it is fed the rest of the
+        sequence in one forward, then each proposal but the last."""
+        explicit = isinstance(sampler, CategoricalSampler)
+        proposals, laws = [], []
+        inputs = mx.array(sequence[self.side.num_held :], mx.uint32)
+        for _ in range(num_draft):
+            logits = self.side.forward(inputs)[-1:]
+            history = mx.concatenate([mx.array(sequence), *proposals]) if processors else None
+            logprobs = processed_logprobs(logits, history, mx.array([], mx.uint32), processors)
+            if explicit:
+                laws.append(sampler.distribution(logprobs))
+                token = mx.random.categorical(laws[-1])
+            else:
+                token = sampler(logprobs)
+            proposals.append(token.astype(mx.uint32))
+            # Start computing each draft as soon as it is built, so building the next
+            # step overlaps it (measured 6-12% faster per round than one eval).
+            mx.async_eval(proposals[-1])
+            inputs = proposals[-1]
+        return mx.concatenate(proposals), mx.concatenate(laws) if explicit else None
+
+    def settle(self, tokens: List[int]) -> None:
+        # Not fed what it lacks (after a fully accepted round, its last proposal): the
+        # next propose feeds it with the token after, in one forward instead of two.
+        self.side.settle(tokens, feed=False)
+
+    def finish(self, tokens: List[int]) -> None:
+        self.side.settle(tokens, feed=True)
+
+
+class PromptLookup(Drafter):
+    """Prompt-lookup (n-gram) drafting: the tokens that followed the most recent
+    earlier occurrence of the current suffix, longest suffix first (`max_ngram_size`
+    down to `min_ngram_size` tokens), in the tokens seen so far: `context` (e.g. a
+    conversation already in a reused prompt cache), then each run's prompt and
+    committed tokens. A continuation that runs into the end of the seen tokens repeats
+    with the same period (the occurrence and the suffix may overlap: "ab ab ab").
+
+    The index maps every n-gram to the position after its latest occurrence and is
+    updated per token (insert or undo: O(ngram sizes) each), so a lookup costs the
+    same at 100 or 100k tokens. A run's drafts are never indexed, only tokens the
+    target committed to; a drafter passed to several runs (speculative_generate_step's
+    `drafter`) keeps what each run committed, so a conversation continued from a
+    prompt cache looks up in all of it. Drafts are point masses: with a
+    CategoricalSampler their laws are one-hot, and speculative sampling accepts each
+    with the target's probability of it.
+    """
+
+    def __init__(self, max_ngram_size: int = 3, min_ngram_size: int = 1, context: Sequence[int] = ()):
+        if not 1 <= min_ngram_size <= max_ngram_size:
+            raise ValueError(
+                f"need 1 <= min_ngram_size <= max_ngram_size, got min_ngram_size={min_ngram_size}, "
+                f"max_ngram_size={max_ngram_size}"
+            )
+        self.ngram_sizes = range(max_ngram_size, min_ngram_size - 1, -1)  # longest first
+        self.tokens: List[int] = []
+        self.latest: Dict[int, Dict[Tuple[int, ...], int]] = {n: {} for n in self.ngram_sizes}
+        self.replaced: Dict[int, List[Optional[int]]] = {n: [] for n in self.ngram_sizes}  # per position
+        self.run_start = 0  # where this run's sequence starts in self.tokens
+        self.extend(context)
+
+    # --- the index -----------------------------------------------------------------
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to what was seen, indexing each."""
+        for token in tokens:
+            position = len(self.tokens)
+            for n in self.ngram_sizes:
+                key = tuple(self.tokens[position - n : position]) if position >= n else None
+                self.replaced[n].append(None if key is None else self.latest[n].get(key))
+                if key is not None:
+                    self.latest[n][key] = position
+            self.tokens.append(int(token))
+
+    def truncate(self, length: int) -> None:
+        """Forget all but the first `length` tokens seen, undoing their index entries."""
+        while len(self.tokens) > length:
+            self.tokens.pop()
+            position = len(self.tokens)
+            for n in self.ngram_sizes:
+                previous = self.replaced[n].pop()
+                if position < n:
+                    continue
+                key = tuple(self.tokens[position - n : position])
+                if previous is None:
+                    del self.latest[n][key]
+                else:
+                    self.latest[n][key] = previous
+
+    def lookup(self, num_draft: int) -> List[int]:
+        """Up to `num_draft` tokens continuing the longest suffix seen before ([] if none)."""
+        end = len(self.tokens)
+        for n in self.ngram_sizes:
+            if end < n:
+                continue
+            start = self.latest[n].get(tuple(self.tokens[end - n :]))
+            if start is not None:
+                period = end - start  # >= 1: the suffix itself is not indexed yet
+                return [self.tokens[start + i % period] for i in range(num_draft)]
+        return []
+
+    # --- the drafter -----------------------------------------------------------------
+
+    def _follow(self, sequence: List[int]) -> None:
+        """Index what the run committed since the last call."""
+        self.extend(sequence[len(self.tokens) - self.run_start :])
+
+    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
+        self.run_start = len(self.tokens)
+        self.extend(prompt.tolist())
+
+    def can_draft(self, sequence: List[int]) -> bool:
+        self._follow(sequence)
+        return bool(self.lookup(1))
+
+    def propose(
+        self, sequence: List[int], num_draft: int, sampler: Callable[[mx.array], mx.array], processors: Processors
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        self._follow(sequence)
+        return mx.array(self.lookup(num_draft), mx.uint32), None  # point masses
+
+    def settle(self, tokens: List[int]) -> None:
+        pass  # only committed tokens are indexed; the next call catches up
+
+    def finish(self, tokens: List[int]) -> None:
+        self.truncate(self.run_start + len(tokens))
+        self.extend(tokens[len(self.tokens) - self.run_start :])
+
+
+def point_masses(tokens: mx.array, num_columns: int) -> mx.array:
+    """(n, num_columns) log-laws putting all mass on each of `tokens` (n,)."""
+    columns = mx.arange(num_columns, dtype=mx.uint32)
+    return mx.where(columns[None, :] == tokens[:, None], 0.0, -mx.inf)
+
 
 # ---------------------------------------------------------------------------
 # Acceptance rules (speculative sampling)
@@ -255,16 +573,14 @@ class DraftLengthPolicy:
     def choose(self) -> int:
         """The number of tokens to draft this round, in 0..max_draft_tokens. Reads
         only what update() learned: calling it twice in a round gives the same k."""
-        if not self.adaptive:
-            return self.max_draft_tokens
-        if self.slow_start_rounds is None:
-            return min(2 * self.last_num_draft if self.num_rounds else 1, self.max_draft_tokens)
-        best = best_draft_length(self.acceptance_estimate, self.round_costs())
-        probe, rest = divmod(self.num_rounds - self.slow_start_rounds, self.probe_interval)
-        follow_up = best == 0 and self.last_round_all_accepted
-        if follow_up or (rest == 0 and probe > 0):
-            return self._neighbour(best, upward=probe % 2 == 1)
-        return best
+        return self._choice(self.num_rounds, self.slow_start_rounds, self.last_round_all_accepted)
+
+    def choose_after_plain(self) -> int:
+        """What choose() will say once one more plain round (k = 0) is learned, its
+        time aside. Pipelined plain steps need it: whether the step after this one is
+        plain too is decided before this one's result (and time) is in."""
+        slow_start_rounds = self.num_rounds + 1 if self.slow_start_rounds is None else self.slow_start_rounds
+        return self._choice(self.num_rounds + 1, slow_start_rounds, False)
 
     def update(self, num_draft: int, num_accepted: int, round_seconds: float) -> None:
         """Learn from a finished round: it drafted `num_draft`, the target accepted
@@ -320,6 +636,18 @@ class DraftLengthPolicy:
         return sum(k * n for k, n in enumerate(self.counts)) / rounds if rounds else 0.0
 
     # --- internals ---------------------------------------------------------------
+
+    def _choice(self, num_rounds: int, slow_start_rounds: Optional[int], last_round_all_accepted: bool) -> int:
+        if not self.adaptive:
+            return self.max_draft_tokens
+        if slow_start_rounds is None:
+            return min(2 * self.last_num_draft if num_rounds else 1, self.max_draft_tokens)
+        best = best_draft_length(self.acceptance_estimate, self.round_costs())
+        probe, rest = divmod(num_rounds - slow_start_rounds, self.probe_interval)
+        follow_up = best == 0 and last_round_all_accepted
+        if follow_up or (rest == 0 and probe > 0):
+            return self._neighbour(best, upward=probe % 2 == 1)
+        return best
 
     def _learn_cost(self, k: int, log_seconds: float) -> None:
         if self.log_seconds[k] is None:

@@ -23,7 +23,18 @@ from .cli_args import (
 )
 from .models import cache
 from .models.cache import maybe_quantize_kv_cache
-from .drafters import DraftLengthPolicy, speculative_sample
+from .drafters import (
+    CachedModel,
+    DraftLengthPolicy,
+    DraftModel,
+    Drafter,
+    Processors,
+    PromptLookup,
+    point_masses,
+    prefill,
+    processed_logprobs,
+    speculative_sample,
+)
 from .sample_utils import CategoricalSampler, make_sampler
 from .tokenizer_utils import TokenizerWrapper
 
@@ -37,6 +48,7 @@ DEFAULT_XTC_PROBABILITY = 0.0
 DEFAULT_XTC_THRESHOLD = 0.1
 DEFAULT_MIN_TOKENS_TO_KEEP = 1
 DEFAULT_SEED = None
+DEFAULT_NUM_DRAFT_TOKENS = 3
 
 
 @contextlib.contextmanager
@@ -120,30 +132,6 @@ def _check_generation_args(prompt: mx.array, max_tokens: int, prefill_step_size:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
 
 
-def prefill(
-    model: nn.Module,
-    prompt: mx.array,
-    prompt_cache: List[Any],
-    prefill_step_size: int,
-    progress: Callable[[int, int], None],
-    quantize_kv: Optional[Callable[[List[Any]], None]] = None,
-) -> mx.array:
-    """Feed all prompt tokens but the last through the model in chunks; return the
-    tokens still to feed (the last one, whose logits start generation).
-    `quantize_kv(prompt_cache)` runs after each chunk (see maybe_quantize_kv_cache)."""
-    total = prompt.size
-    while prompt.size > 1:
-        n = min(prefill_step_size, prompt.size - 1)
-        model(prompt[:n][None], cache=prompt_cache)
-        if quantize_kv is not None:
-            quantize_kv(prompt_cache)
-        mx.eval([c.state for c in prompt_cache])
-        prompt = prompt[n:]
-        progress(total - prompt.size, total)
-        mx.clear_cache()
-    return prompt
-
-
 def sample_next(
     model: nn.Module,
     tokens: mx.array,
@@ -186,6 +174,9 @@ def generate_step(
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    prompt_lookup: bool = False,
+    max_ngram_size: int = 3,
+    num_draft_tokens: Optional[int] = None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) for each generated token.
 
@@ -196,7 +187,28 @@ def generate_step(
     With `kv_bits`, each KVCache becomes a `kv_bits`-bit QuantizedKVCache (groups of
     `kv_group_size`) once it holds `quantized_kv_start` tokens, checked after every
     prefill chunk and every step.
+
+    `prompt_lookup=True` decodes speculatively with prompt-lookup drafts (see
+    speculative_generate_step; at most `num_draft_tokens`, default 3, a round, looking
+    up suffixes of up to `max_ngram_size` tokens): the same tokens under greedy
+    decoding and the same law under sampling, faster where the output repeats the
+    prompt or itself.
     """
+    if prompt_lookup:
+        yield from (
+            (token, logprobs)
+            for token, logprobs, _ in speculative_generate_step(
+                prompt, model, prompt_lookup=True, max_ngram_size=max_ngram_size,
+                num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens,
+                max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
+                max_kv_size=max_kv_size, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+                kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+                prompt_progress_callback=prompt_progress_callback,
+            )
+        )
+        return
+    if num_draft_tokens is not None:
+        raise ValueError("num_draft_tokens needs prompt_lookup=True (or a draft model: speculative_generate_step)")
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if prompt_cache is None:
         prompt_cache = cache.make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -268,14 +280,6 @@ def _vocabulary_difference(target_vocab: dict, draft_vocab: dict) -> Optional[st
     )
 
 
-def vocabulary_sizes(model: nn.Module, draft_model: nn.Module) -> Tuple[int, int]:
-    """The embedding table sizes (target, draft). They cannot tell whether the models
-    share a tokenizer (check_same_tokenizer, which the loaders call, does): tables of one
-    tokenizer are often padded differently (Qwen2.5 0.5B: 151936 rows, 7B: 152064), so
-    sizes may differ and the draft proposes only ids both tables hold (see _Side)."""
-    return model.args.vocab_size, draft_model.args.vocab_size
-
-
 def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str) -> None:
     """Every entry must be able to give back rejected tokens: trimmable caches, caches
     that record themselves (sliding windows), or recurrent states whose model's layers
@@ -291,133 +295,52 @@ def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str) ->
 
 
 def _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size) -> List[Any]:
-    """The target's cache entries followed by the draft's: fresh, or checked."""
+    """The target's cache entries followed by the draft model's (if any): fresh, or checked."""
+    models = [model] if draft_model is None else [model, draft_model]
     if prompt_cache is None:
-        return cache.make_prompt_cache(model, max_kv_size) + cache.make_prompt_cache(draft_model, max_kv_size)
+        return [entry for m in models for entry in cache.make_prompt_cache(m, max_kv_size)]
     if max_kv_size is not None:
         raise ValueError("max_kv_size cannot be combined with a prompt_cache; size the cache when making it")
-    num_target, num_draft = len(model.layers), len(draft_model.layers)
-    if len(prompt_cache) != num_target + num_draft:
-        raise ValueError(
-            f"prompt_cache has {len(prompt_cache)} entries; speculation needs the target's "
-            f"{num_target} followed by the draft's {num_draft}"
-        )
+    sizes = [len(m.layers) for m in models]
+    if len(prompt_cache) != sum(sizes):
+        wanted = f"the target's {sizes[0]}" + ("" if draft_model is None else f" followed by the draft's {sizes[1]}")
+        raise ValueError(f"prompt_cache has {len(prompt_cache)} entries; speculation needs {wanted}")
     return prompt_cache
 
 
-def ids_within(tokens: mx.array, table_size: int) -> mx.array:
-    """`tokens` with ids beyond an embedding table of `table_size` rows replaced by 0
-    (a draft with a smaller table than the target's; see _Side)."""
-    return mx.where(tokens < table_size, tokens, 0)
+def make_drafter(
+    model: nn.Module,
+    draft_model: Optional[nn.Module],
+    prompt_cache: List[Any],
+    *,
+    prompt_lookup: bool,
+    max_ngram_size: int,
+    min_ngram_size: int,
+    drafter: Optional[Drafter],
+) -> Drafter:
+    """The one drafter of a speculative run, from speculative_generate_step's arguments
+    (checked before any work); `prompt_cache` is the target's entries, then the draft
+    model's."""
+    given = [name for name, present in [("a draft_model", draft_model is not None),
+                                        ("prompt_lookup=True", prompt_lookup),
+                                        ("a drafter", drafter is not None)] if present]
+    if len(given) != 1:
+        raise ValueError(
+            "speculative decoding takes exactly one drafter: a draft_model, prompt_lookup=True or a drafter; "
+            f"got {' and '.join(given) if given else 'none'}"
+        )
+    if draft_model is not None:
+        draft_cache = prompt_cache[len(model.layers) :]
+        check_can_speculate(draft_model, draft_cache, "draft model")
+        return DraftModel(draft_model, draft_cache, model.args.vocab_size)
+    if prompt_lookup:
+        return PromptLookup(max_ngram_size, min_ngram_size)
+    if not isinstance(drafter, Drafter):
+        raise ValueError(f"drafter must be a Drafter (e.g. PromptLookup()), got {type(drafter).__name__}")
+    return drafter
 
 
-@dataclass
-class _Side:
-    """One model of a speculative run and what its cache holds: the first `num_held`
-    tokens of the sequence, then `num_fed` more fed this round, not yet accepted.
-
-    Logits come out with `num_columns` columns, the target's vocabulary: a draft with a
-    larger table loses the extra columns, a smaller one gets -inf columns, so the draft
-    never proposes an id the target's table lacks and processors and samplers always
-    see the target's shape. Ids beyond this model's own table (a draft with a smaller
-    table, fed a padding-row id the target committed: no tokenizer has it, only an odd
-    target emits one) are fed as id 0: the draft's guesses after it may be worse, the
-    output is still the target's.
-    """
-
-    model: nn.Module
-    cache: List[Any]
-    table_size: int
-    num_columns: int
-    num_held: int = 0
-    num_fed: int = 0
-
-    def model_ids(self, tokens: mx.array) -> mx.array:
-        return tokens if self.table_size >= self.num_columns else ids_within(tokens, self.table_size)
-
-    def forward(self, tokens: mx.array) -> mx.array:
-        """Logits (T, num_columns) after each of `tokens` (1-D). MLX writes the cache
-        while it builds the graph, so the tokens count as fed when the call returns,
-        before anything that can still fail (processors, sampler, the sync)."""
-        logits = self.model(self.model_ids(tokens)[None], cache=self.cache)[0]
-        self.num_fed += tokens.size
-        if self.table_size > self.num_columns:
-            return logits[:, : self.num_columns]
-        if self.table_size < self.num_columns:
-            missing = mx.full((logits.shape[0], self.num_columns - self.table_size), -mx.inf, logits.dtype)
-            return mx.concatenate([logits, missing], axis=1)
-        return logits
-
-    def settle(self, tokens: List[int], *, may_feed: bool = True) -> None:
-        """Hold exactly `tokens`, which agree with what the cache holds and was fed up
-        to the shorter of the two: trim what lies beyond them, then feed (lazily) what
-        is missing unless `may_feed` is off."""
-        num_in_cache = self.num_held + self.num_fed
-        cache.trim_prompt_cache(self.cache, num_in_cache - len(tokens))
-        self.num_held, self.num_fed = min(num_in_cache, len(tokens)), 0
-        if self.num_held < len(tokens) and may_feed:
-            self.forward(mx.array(tokens[self.num_held :], mx.uint32))
-            self.num_held, self.num_fed = len(tokens), 0
-
-
-def processed_logprobs(
-    logits: mx.array,
-    history: Optional[mx.array],
-    drafts: mx.array,
-    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
-) -> mx.array:
-    """Log-probabilities (N, V) of `logits` (N, V) after the processors, which see, for
-    row i, `history` (1-D) followed by drafts[:i] (as plain decoding would show them)."""
-    if logits_processors:
-        rows = []
-        for i in range(logits.shape[0]):
-            row, seen = logits[i : i + 1], mx.concatenate([history, drafts[:i]])
-            for processor in logits_processors:
-                row = processor(seen, row)
-            rows.append(row)
-        logits = mx.concatenate(rows)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def propose(
-    draft: _Side,
-    sequence: List[int],
-    num_draft: int,
-    sampler: Callable[[mx.array], mx.array],
-    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
-) -> Tuple[mx.array, Optional[mx.array]]:
-    """The draft's next `num_draft` tokens after `sequence` (1-D, lazy), and with a
-    CategoricalSampler the laws (num_draft, V) they were drawn from (else None: the
-    sampler is used as is). The draft holds sequence[:-1]; it is fed the last token,
-    then each proposal but the last."""
-    explicit = isinstance(sampler, CategoricalSampler)
-    proposals, laws, inputs = [], [], mx.array(sequence[draft.num_held :], mx.uint32)
-    for _ in range(num_draft):
-        logits = draft.forward(inputs)[-1:]
-        history = mx.concatenate([mx.array(sequence), *proposals]) if logits_processors else None
-        logprobs = processed_logprobs(logits, history, mx.array([], mx.uint32), logits_processors)
-        if explicit:
-            laws.append(sampler.distribution(logprobs))
-            token = mx.random.categorical(laws[-1])
-        else:
-            token = sampler(logprobs)
-        proposals.append(token.astype(mx.uint32))
-        # Start computing each draft as soon as it is built, so building the next
-        # step overlaps it (measured 6-12% faster per round than one eval).
-        mx.async_eval(proposals[-1])
-        inputs = proposals[-1]
-    drafts = mx.concatenate(proposals) if proposals else mx.array([], mx.uint32)
-    if not explicit:
-        return drafts, None
-    return drafts, mx.concatenate(laws) if laws else mx.zeros((0, draft.num_columns), mx.float32)
-
-
-def verify(
-    target: _Side,
-    sequence: List[int],
-    drafts: mx.array,
-    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
-) -> mx.array:
+def verify(target: CachedModel, sequence: List[int], drafts: mx.array, logits_processors: Processors) -> mx.array:
     """One target forward over the last token of `sequence` then the `drafts` (1-D,
     possibly empty): the target's log-probabilities (drafts.size + 1, V) after each of
     those positions, processed (lazy)."""
@@ -428,11 +351,11 @@ def verify(
 
 
 def plain_step(
-    target: _Side,
+    target: CachedModel,
     sequence: List[int],
     pending: Optional[mx.array],
     sampler: Callable[[mx.array], mx.array],
-    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
+    logits_processors: Processors,
 ) -> Tuple[mx.array, mx.array]:
     """Queue one plain target step (lazy): feed what the target has not seen of
     `sequence`, then `pending` (a sampled token not yet in `sequence`, (1,), or None),
@@ -449,43 +372,85 @@ def plain_step(
 
 
 def plain_stretch(
-    target: _Side,
+    target: CachedModel,
     sequence: List[int],
+    keep_plain: Callable[[], bool],
     policy: DraftLengthPolicy,
     stats: SpeculationStats,
     sampler: Callable[[mx.array], mx.array],
-    logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
+    logits_processors: Processors,
     quantize_kv: Callable[[List[Any]], None],
     limit: Optional[int],
     start: float,
 ) -> Generator[Tuple[int, mx.array], None, None]:
-    """Yield (token, logprobs) from the target alone while `policy` keeps choosing k = 0,
-    at most `limit` tokens (None: no limit), pipelined as in generate_step: each step
-    queues the next (feeding its own token) before syncing, so at a yield the target
-    holds `sequence`, every token yielded included; after the last, all but it (a
-    round's state). Appends to `sequence`; the draft is not fed (its next drafting
-    round catches up in one forward). `start`: when the first step began."""
+    """Yield (token, logprobs) from the target alone while `keep_plain()` (drafting
+    would lose, or there is nothing to draft), at most `limit` tokens (None: no
+    limit), pipelined as in generate_step: each step queues the next (feeding its own
+    token) before syncing, so at a yield the target holds `sequence`, every token
+    yielded included; after the last, all but it (a round's state). Appends to
+    `sequence`; the drafter is not called (it catches up when it next drafts).
+    `keep_plain` sees `sequence` one token behind (the newest is still computing).
+    `start`: when the first step began.
+
+    Each step is learned as the stretch's mean time per step so far, counting the
+    step queued after it: pipelined, a step's own interval is no measure of it, since
+    queueing the next one computes most of it (MLX's CPU backend returns from
+    async_eval only once few tasks are left), so the first interval holds about two
+    steps' work and the last almost none."""
     token_array, token_logprobs = plain_step(target, sequence, None, sampler, logits_processors)
     mx.async_eval(token_array)
-    num_steps = 0
+    num_steps, seconds = 0, 0.0
     while True:
-        more = policy.choose() == 0 and (limit is None or num_steps + 1 < limit)
+        more = (limit is None or num_steps + 1 < limit) and keep_plain()
         if more:
             next_array, next_logprobs = plain_step(target, sequence, token_array, sampler, logits_processors)
             mx.async_eval(next_array)
         token = token_array.item()
         sequence.append(token)
         target.num_held, target.num_fed = target.num_held + target.num_fed, 0
-        policy.update(0, 0, time.perf_counter() - start)
+        num_steps, seconds = num_steps + 1, seconds + time.perf_counter() - start
+        policy.update(0, 0, seconds / (num_steps + more))
         stats.num_target_forwards += 1
         stats.draft_lengths = policy.counts[:]
         quantize_kv(target.cache)
-        num_steps += 1
         yield token, token_logprobs
         if not more:
             return
         start = time.perf_counter()  # the consumer's time is not the step's
         token_array, token_logprobs = next_array, next_logprobs
+
+
+@dataclass
+class QueuedRound:
+    """A drafting round whose drafts and verify are computing, not yet decided.
+    `draft_laws`: the laws the drafts were drawn from (speculative sampling), None for
+    token matching; `build_seconds`: host time spent queueing it."""
+
+    drafts: mx.array
+    draft_laws: Optional[mx.array]
+    logprobs: mx.array
+    build_seconds: float
+
+
+def queue_round(
+    target: CachedModel,
+    drafter: Drafter,
+    sequence: List[int],
+    num_draft: int,
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: Processors,
+) -> QueuedRound:
+    """Draft up to `num_draft` tokens after `sequence` and queue their verify in one
+    target forward, behind the lazy drafts; computing starts at once, nothing syncs."""
+    start = time.perf_counter()
+    drafts, draft_laws = drafter.propose(sequence, num_draft, sampler, logits_processors)
+    if not isinstance(sampler, CategoricalSampler):
+        draft_laws = None  # token matching
+    elif draft_laws is None:
+        draft_laws = point_masses(drafts, target.num_columns)
+    logprobs = verify(target, sequence, drafts, logits_processors)
+    mx.async_eval(logprobs)
+    return QueuedRound(drafts, draft_laws, logprobs, time.perf_counter() - start)
 
 
 def accept(
@@ -524,12 +489,12 @@ def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
 def speculative_generate_step(
     prompt: mx.array,
     model: nn.Module,
-    draft_model: nn.Module,
+    draft_model: Optional[nn.Module] = None,
     *,
     num_draft_tokens: int = 2,
     max_tokens: int = 256,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
-    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
+    logits_processors: Optional[Processors] = None,
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 512,
     kv_bits: Optional[int] = None,
@@ -539,47 +504,63 @@ def speculative_generate_step(
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stats: Optional[SpeculationStats] = None,
     adaptive_draft_length: bool = True,
+    prompt_lookup: bool = False,
+    max_ngram_size: int = 3,
+    min_ngram_size: int = 1,
+    drafter: Optional[Drafter] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft): the target's tokens, several per target
-    forward when the draft guesses them.
+    forward when the drafter guesses them.
 
-    Each round the draft proposes k tokens, k chosen by a DraftLengthPolicy (drafters.py)
-    from the measured acceptance and round times, between 0 (a plain target step, when
-    drafting would lose) and `num_draft_tokens`; `adaptive_draft_length=False` drafts
-    `num_draft_tokens` every round. k never changes greedy output; under sampling the
-    law is the target's whatever k is, but which sample a seed gives depends on k, so a
-    seeded run that must replay exactly pins it. One target forward scores
-    them all, a prefix of them is accepted and a token of the target follows it. The
-    output has the law of `generate_step`'s with the same sampler and processors:
+    The drafter, exactly one of: `draft_model` (a smaller model with the target's
+    tokenizer), `prompt_lookup=True` (drafts the tokens that followed the latest
+    earlier occurrence of the last `max_ngram_size` .. `min_ngram_size` tokens in the
+    prompt and the output; drafters.PromptLookup), or a `drafter` object (e.g. a
+    PromptLookup passed to every turn of a conversation continued from a prompt
+    cache, so its lookups see the earlier turns too).
+
+    Each round the drafter proposes k tokens, k chosen by a DraftLengthPolicy
+    (drafters.py) from the measured acceptance and round times, between 0 (a plain
+    target step, when drafting would lose) and `num_draft_tokens`;
+    `adaptive_draft_length=False` drafts `num_draft_tokens` every round. Where the
+    drafter has nothing to propose (a lookup that finds no match) the round is a plain
+    target step too. k never changes greedy output; under sampling the law is the
+    target's whatever k is, but which sample a seed gives depends on k, so a seeded
+    run that must replay exactly pins it. One target forward scores the drafts, a
+    prefix of them is accepted and a token of the target follows it. Each round is
+    queued before the previous round's tokens are yielded, so it computes while the
+    consumer handles them. The output has the law of `generate_step`'s with the same
+    sampler and processors:
     - a sampler from `make_sampler(temp > 0, ...)` (a CategoricalSampler, which gives
-      its law): speculative sampling. The draft draws each token from its own law q
-      (every filter and processor applied), the target's laws p come from the verify
-      forward, a draft is kept with probability min(1, p/q), a rejected one replaced
-      by a draw from norm(max(0, p - q)) (drafters.py). Acceptance is sum min(p, q).
-    - greedy, or any other callable: token matching. The sampler picks the draft's
-      tokens and the target's own token at every verified position, and the longest
-      agreeing prefix is accepted: greedy output equals `generate_step`'s token for
-      token. Acceptance at temp > 0 is only about sum p*q; to measure that, wrap a
-      CategoricalSampler in a plain function.
-    Rejected tokens are rolled back exactly on every
-    cache kind (DESIGN.md §2). `prompt_cache` is the target's entries followed by the
-    draft's. `stats` (optional) receives the counts; `kv_bits` etc. quantize KV caches as
-    in `generate_step`. The draft must use the target's tokenizer (the loaders check it
-    with check_same_tokenizer); its embedding table may be padded to another size: it
-    proposes only ids both tables hold, and is fed 0 for any id beyond its table.
+      its law): speculative sampling. A draft model draws each token from its own law
+      q (every filter and processor applied; a lookup draft is a point mass), the
+      target's laws p come from the verify forward, a draft is kept with probability
+      min(1, p/q), a rejected one replaced by a draw from norm(max(0, p - q))
+      (drafters.py). Acceptance is sum min(p, q).
+    - greedy, or any other callable: token matching. The sampler picks the draft
+      model's tokens and the target's own token at every verified position, and the
+      longest agreeing prefix is accepted: greedy output equals `generate_step`'s
+      token for token. Acceptance at temp > 0 is only about sum p*q; to measure that,
+      wrap a CategoricalSampler in a plain function.
+    Rejected tokens are rolled back exactly on every cache kind (DESIGN.md §2).
+    `prompt_cache` is the target's entries followed by the draft model's (none for
+    other drafters). `stats` (optional) receives the counts; `kv_bits` etc. quantize KV
+    caches as in `generate_step`. A draft model must use the target's tokenizer (the
+    loaders check it with check_same_tokenizer); its embedding table may be padded to
+    another size: it proposes only ids both tables hold, and is fed 0 for any id
+    beyond its table.
 
-    What the caches hold, target and draft alike:
+    What the caches hold, target and draft model alike (and what a PromptLookup has
+    indexed):
     - when the generator finishes or is closed at any yield: the prompt and every
       yielded token, exactly as after `generate_step` (feeding the last one lazily);
     - after an exception, also KeyboardInterrupt and one thrown in at a yield: the
       prompt and every yielded token but the last (before the first yield: the prompt
-      minus its last token). The target gets there by trimming only; the draft too,
-      unless plain rounds (k = 0) left it behind, when the missing tokens are fed
-      lazily (computed when the cache is next used; if that fails too it stays
-      short). The original exception propagates. Between rounds the target holds the
-      sequence minus its last token, and so does the draft after a round that drafted
-      (a fully accepted round feeds it its last proposal); after a plain round it is
-      not fed, its next drafting round catches up in one forward.
+      minus its last token). The target gets there by trimming only; the draft model
+      too, unless it lags behind (plain rounds do not feed it, nor does a fully
+      accepted round its last proposal; its next forward catches up), when the
+      missing tokens are fed lazily (computed when the cache is next used; if that
+      fails too it stays short). The original exception propagates.
     Not covered: an exception during prefill, or an interrupt that lands inside a
     model's forward (between its layers) or between a trim and its recount, leaves the
     caches partly fed; discard them.
@@ -587,13 +568,12 @@ def speculative_generate_step(
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
-    target_vocab, draft_vocab = vocabulary_sizes(model, draft_model)
     prompt_cache = _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size)
+    drafter = make_drafter(model, draft_model, prompt_cache, prompt_lookup=prompt_lookup,
+                           max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size, drafter=drafter)
     num_target = len(model.layers)
-    target = _Side(model, prompt_cache[:num_target], target_vocab, target_vocab)
-    draft = _Side(draft_model, prompt_cache[num_target:], draft_vocab, target_vocab)
+    target = CachedModel(model, prompt_cache[:num_target], model.args.vocab_size, model.args.vocab_size)
     check_can_speculate(model, target.cache, "target model")
-    check_can_speculate(draft_model, draft.cache, "draft model")
     sampler = sampler or make_sampler()
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
@@ -602,53 +582,63 @@ def speculative_generate_step(
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
-    prefill(draft_model, draft.model_ids(prompt), draft.cache, prefill_step_size, lambda done, total: None, quantize_kv)
+    drafter.prefill(prompt, prefill_step_size, quantize_kv)
     prefill(model, prompt, target.cache, prefill_step_size, progress, quantize_kv)
     sequence = prompt.tolist()  # the prompt, then every token the target committed to
     num_prompt = len(sequence)
-    target.num_held = draft.num_held = num_prompt - 1
+    target.num_held = num_prompt - 1
     num_yielded = 0
-    for c in target.cache + draft.cache:
-        c.start_speculation(rollback_window=num_draft_tokens + 1)
+
+    def next_round(num_left: Optional[int]) -> Optional[QueuedRound]:
+        """The next drafting round, queued; None if it should be plain (k = 0, nothing
+        to draft, or only one token left)."""
+        num_draft = policy.choose() if num_left is None else min(policy.choose(), num_left - 1)
+        if num_draft < 1 or not drafter.can_draft(sequence):
+            return None
+        return queue_round(target, drafter, sequence, num_draft, sampler, processors)
+
+    def keep_plain() -> bool:
+        return policy.choose_after_plain() == 0 or not drafter.can_draft(sequence)
+
+    # A round is queued before the previous round's tokens are yielded, so rolling
+    # back to a yield may undo two rounds.
+    for c in target.cache + drafter.cache:
+        c.start_speculation(rollback_window=2 * (num_draft_tokens + 1))
     clean_stop = False
     try:
+        queued = None
         while max_tokens == -1 or num_yielded < max_tokens:
-            # Round counters first: `finally` undoes exactly what this round fed.
-            target.num_fed = draft.num_fed = 0
-            round_start = time.perf_counter()
-            remaining = num_draft_tokens + 1 if max_tokens == -1 else max_tokens - num_yielded
-            chosen = policy.choose()
-            if chosen == 0:
-                # Plain steps while the policy keeps choosing k = 0 (the draft not fed).
-                limit = None if max_tokens == -1 else remaining
-                for token, token_logprobs in plain_stretch(target, sequence, policy, stats, sampler, processors,
-                                                           quantize_kv, limit, round_start):
+            num_left = None if max_tokens == -1 else max_tokens - num_yielded
+            if queued is None:
+                queued = next_round(num_left)
+            if queued is None:
+                for token, token_logprobs in plain_stretch(target, sequence, keep_plain, policy, stats, sampler,
+                                                           processors, quantize_kv, num_left, time.perf_counter()):
                     num_yielded += 1
                     yield token, token_logprobs, False
                 continue
-            num_draft = min(chosen, remaining - 1)
 
-            # Draft, then verify all drafts in one target forward (queued behind the lazy
-            # drafts; the round's one sync is accept's).
-            drafts, draft_laws = propose(draft, sequence, num_draft, sampler, processors)
-            logprobs = verify(target, sequence, drafts, processors)
-
-            # Accept a prefix of the drafts and the target's token after it.
-            num_accepted, new_tokens = accept(logprobs, drafts, draft_laws, sampler)
+            # Accept a prefix of the drafts and the target's token after it (the sync).
+            wait_start = time.perf_counter()
+            num_accepted, new_tokens = accept(queued.logprobs, queued.drafts, queued.draft_laws, sampler)
+            num_draft, logprobs = queued.drafts.size, queued.logprobs
             sequence += new_tokens
-            policy.update(num_draft, num_accepted, time.perf_counter() - round_start)
+            policy.update(num_draft, num_accepted, queued.build_seconds + time.perf_counter() - wait_start)
 
-            # Rewind both caches to the sequence minus its last token (after a fully
-            # accepted round that feeds the draft its last proposal; after a plain
-            # round the draft is left behind, not fed).
-            target.settle(sequence[:-1])
-            draft.settle(sequence[:-1], may_feed=num_draft > 0)
+            # Rewind to the sequence minus its last token (the drafter may lag behind).
+            target.settle(sequence[:-1], feed=False)
+            drafter.settle(sequence[:-1])
             stats.num_drafted += num_draft
             stats.num_accepted += num_accepted
             stats.num_target_forwards += 1
             stats.draft_lengths = policy.counts[:]
             quantize_kv(target.cache)
-            quantize_kv(draft.cache)
+            quantize_kv(drafter.cache)
+
+            # Queue the next round, so that it computes while these tokens are handled.
+            queued = None
+            if num_left is None or len(new_tokens) < num_left:
+                queued = next_round(None if num_left is None else num_left - len(new_tokens))
 
             # Emit.
             for i, token in enumerate(new_tokens):
@@ -659,27 +649,29 @@ def speculative_generate_step(
         clean_stop = True  # closed by the consumer at a yield
         raise
     finally:
-        _finish_speculation([target, draft], sequence[: num_prompt + num_yielded], clean_stop)
-        prompt_cache[:] = target.cache + draft.cache  # entries quantized on the way
+        _finish_speculation(target, drafter, sequence[: num_prompt + num_yielded], clean_stop)
+        prompt_cache[:num_target] = target.cache  # entries quantized on the way
+        if draft_model is not None:
+            prompt_cache[num_target:] = drafter.cache
 
 
-def _finish_speculation(sides: List[_Side], delivered: List[int], clean_stop: bool) -> None:
-    """Bring each side to the contract of speculative_generate_step: after a clean stop
-    exactly `delivered`; after an exception `delivered` minus its last token, and
-    nothing raised here may mask the exception. Mid-round `delivered` ends before
-    anything fed this round, so settle gives all of it back by trimming; only a draft
-    that plain rounds left behind is fed (lazily)."""
+def _finish_speculation(target: CachedModel, drafter: Drafter, delivered: List[int], clean_stop: bool) -> None:
+    """Bring target and drafter to the contract of speculative_generate_step: after a
+    clean stop exactly `delivered`; after an exception `delivered` minus its last
+    token, and nothing raised here may mask the exception. `delivered` ends before
+    anything fed for a round not yet yielded, so the target gets there by trimming;
+    a drafter that lags behind is fed (lazily)."""
+    tokens = delivered if clean_stop else delivered[:-1]
     try:
-        for side in sides:
+        for finish in (lambda: target.settle(tokens, feed=True), lambda: drafter.finish(tokens)):
             try:
-                side.settle(delivered if clean_stop else delivered[:-1])
+                finish()
             except Exception:
                 if clean_stop:
                     raise
     finally:
-        for side in sides:
-            for c in side.cache:
-                c.stop_speculation()
+        for c in target.cache + drafter.cache:
+            c.stop_speculation()
 
 
 def _encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, List[int], mx.array]) -> mx.array:
@@ -701,17 +693,19 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, yielding a GenerationResponse per token. kwargs go to
     `generate_step`, or with a `draft_model` to `speculative_generate_step`
-    (`num_draft_tokens` among them). Stops at an EOS token or after `max_tokens`; the
-    last response carries the finish_reason. When it stops, a passed `prompt_cache`
-    holds the prompt and every generated token."""
+    (`num_draft_tokens` among them), also with `prompt_lookup=True` or a `drafter`.
+    Stops at an EOS token or after `max_tokens`; the last response carries the
+    finish_reason. When it stops, a passed `prompt_cache` holds the prompt and every
+    generated token."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode_prompt(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     stats = None
-    if draft_model is None:
+    if draft_model is None and not kwargs.get("prompt_lookup") and kwargs.get("drafter") is None:
         if "num_draft_tokens" in kwargs:
-            raise ValueError("num_draft_tokens needs a draft_model")
+            raise ValueError("num_draft_tokens needs a draft_model, prompt_lookup=True or a drafter")
+        kwargs.pop("drafter", None)
         token_generator = (
             (token, logprobs, False)
             for token, logprobs in generate_step(prompt, model, max_tokens=max_tokens, **kwargs)
@@ -835,7 +829,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
     parser.add_argument("--draft-model", type=str, default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
-    parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="Speculative decoding without a draft model: draft the tokens that followed the "
+                        "latest earlier occurrence of the last few tokens in the prompt and the output")
+    parser.add_argument("--max-ngram-size", type=positive_int, default=3,
+                        help="With --prompt-lookup: the longest suffix looked up, in tokens")
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULT_NUM_DRAFT_TOKENS,
                         help="At most this many tokens drafted per target forward (each round picks 0..N "
                         "from the measured acceptance and speed)")
     parser.add_argument("--fixed-draft-length", action="store_true",
@@ -865,6 +864,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.prompt_cache_file is not None and args.max_kv_size is not None:
         parser.error("--max-kv-size cannot be combined with --prompt-cache-file: the cache file's size "
                      "was fixed when it was made (mlx_lm.cache_prompt --max-kv-size)")
+    if args.prompt_lookup and args.draft_model is not None:
+        parser.error("--prompt-lookup and --draft-model are two drafters; give one")
+    if not args.prompt_lookup and args.max_ngram_size != parser.get_default("max_ngram_size"):
+        parser.error("--max-ngram-size needs --prompt-lookup")
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
@@ -893,7 +896,8 @@ def run(args: argparse.Namespace) -> str:
         xtc_special_tokens=list(tokenizer.eos_token_ids),
     )
     kwargs = dict(max_tokens=args.max_tokens, sampler=sampler)
-    if draft_model is not None:
+    speculating = draft_model is not None or args.prompt_lookup
+    if speculating:
         # Which sample a seed gives depends on the draft lengths: a seeded sampled run pins them.
         fixed = args.fixed_draft_length or (args.seed is not None and args.temp > 0)
         kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens,
@@ -924,6 +928,10 @@ def run(args: argparse.Namespace) -> str:
         target_cache = kwargs["prompt_cache"]
         quantize_kv = kv_quantizer(target_cache, args.kv_bits, args.kv_group_size, args.quantized_kv_start)
         kwargs["prompt_cache"] = target_cache + cached.cache_for(draft_model, quantize_kv)
+    if args.prompt_lookup:
+        # The lookup also sees what the prompt cache file holds.
+        context = [] if args.prompt_cache_file is None else cached.tokens or []
+        kwargs["drafter"] = PromptLookup(args.max_ngram_size, context=context)
     if args.verbose:
         print(f"Compute dtype: {parameter_dtypes(model)} ({compute_dtype(args.dtype)[1]})")
     return generate(model, tokenizer, prompt_tokens, verbose=args.verbose, **kwargs)

@@ -421,6 +421,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="Local model directory or Hugging Face repo id to serve")
     parser.add_argument("--draft-model", default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding")
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="Speculative decoding without a draft model: draft the tokens that followed the "
+                        "latest earlier occurrence of the last few tokens in the prompt and the output")
+    parser.add_argument("--max-ngram-size", type=positive_int, default=3,
+                        help="With --prompt-lookup: the longest suffix looked up, in tokens")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
                         help="At most this many tokens drafted per target forward, each round choosing 0..N from "
                         "the measured acceptance and speed (requests may override N)")
@@ -520,7 +525,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
     server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens,
-                                     args.fixed_draft_length)
+                                     args.fixed_draft_length, args.prompt_lookup, args.max_ngram_size)
     threading.Thread(target=server.worker.run_forever, name="generation", daemon=True).start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s: the server has no authentication; anyone who can reach it can use it", args.host)

@@ -45,14 +45,8 @@ from typing import Any, Callable, Generator, List, Optional
 
 import mlx.core as mx
 
-from .generate import (
-    GenerationResponse,
-    check_can_speculate,
-    check_same_tokenizer,
-    ids_within,
-    prefill,
-    stream_generate,
-)
+from .drafters import PromptLookup, ids_within, prefill
+from .generate import GenerationResponse, check_can_speculate, check_same_tokenizer, stream_generate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from .openai_api import (
@@ -355,11 +349,12 @@ class GenerationWorker:
     """Runs jobs one at a time (call `run_forever` on its own thread)."""
 
     def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, default_num_draft_tokens: int = 3,
-                 fixed_draft_length: bool = False):
+                 fixed_draft_length: bool = False, prompt_lookup: bool = False, max_ngram_size: int = 3):
         self.provider = provider
         self.prefill_step_size = prefill_step_size
         self.default_num_draft_tokens = default_num_draft_tokens
         self.fixed_draft_length = fixed_draft_length
+        self.prompt_lookup, self.max_ngram_size = prompt_lookup, max_ngram_size
         self.jobs: "queue.Queue[Job]" = queue.Queue()
 
     def submit(self, job: Job) -> None:
@@ -408,8 +403,9 @@ class GenerationWorker:
     def generate(self, job: Job) -> GenerationResult:
         request = job.request
         served = self.provider.get(job.model_key)
-        if request.num_draft_tokens is not None and served.draft_model is None:
-            raise RequestError(400, "num_draft_tokens needs a server started with --draft-model")
+        speculating = served.draft_model is not None or self.prompt_lookup
+        if request.num_draft_tokens is not None and not speculating:
+            raise RequestError(400, "num_draft_tokens needs a server started with --draft-model or --prompt-lookup")
         tokens = job.tokens if job.tokens is not None else served.encode(request)
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
@@ -437,11 +433,14 @@ class GenerationWorker:
             seen = mx.array(tokens[:num_fed])
             processors = [lambda history, logits, p=p: p(mx.concatenate([seen, history]), logits) for p in processors]
         kwargs = {}
-        if served.draft_model is not None:
+        if speculating:
             # Which sample a seed gives depends on the draft lengths: a seeded sampled request pins them.
             fixed = self.fixed_draft_length or (request.seed is not None and request.sampling["temp"] > 0)
             kwargs = dict(draft_model=served.draft_model, adaptive_draft_length=not fixed,
                           num_draft_tokens=request.num_draft_tokens or self.default_num_draft_tokens)
+        if self.prompt_lookup:
+            # The lookup sees the whole prompt, the part already in the cache included.
+            kwargs["drafter"] = PromptLookup(self.max_ngram_size, context=tokens[:num_fed])
         responses = stream_generate(
             served.model, served.tokenizer, mx.array(remaining), max_tokens,
             sampler=sampler, logits_processors=processors, prompt_cache=prompt_cache,

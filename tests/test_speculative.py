@@ -6,10 +6,11 @@ it drafted), the target plus 5% noise (rounds end fully, partly and not at all a
 so rollbacks of several tokens run through the GDN replay and the sliding-window
 re-append), the target itself (agrees: rounds accept everything), and a hybrid.
 
-Cache checks compare with a fresh cache fed the same tokens the way the draft feeds
-them (the prompt but its last token in one forward, then one token at a time): the
-draft's cache must give bit-identical logits, since it runs the same computation; the
-target's verify forwards take several tokens at once, so its logits agree to 1e-4.
+Cache checks compare with a fresh cache fed the same tokens (the prompt but its last
+token in one forward, then one token at a time). Both sides take several tokens in
+one forward at times (the target's verify; the draft catching up after a fully
+accepted round, whose last proposal it is fed with the next token), so the logits
+agree to 1e-4, not bit for bit; the sizes must be equal.
 """
 
 import itertools
@@ -158,7 +159,7 @@ def test_caches_after_speculation_equal_a_fresh_feed(target_name):
         generator.close()
         target_cache, draft_cache = split(target, cache)
         assert_holds(target, target_cache, tokens, exact=False)
-        assert_holds(draft, draft_cache, tokens, exact=True)
+        assert_holds(draft, draft_cache, tokens, exact=False)
 
 
 # ---------------------------------------------------------------------------
@@ -188,7 +189,7 @@ class Faults:
 
 
 class WatchedSync:
-    """The sampler's tokens; `.tolist()` (the sync) counts as a call that can fail."""
+    """The sampler's tokens; `.tolist()` or `.item()` (the sync) counts as a call that can fail."""
 
     def __init__(self, tokens, faults):
         self.tokens, self.faults = tokens, faults
@@ -199,6 +200,10 @@ class WatchedSync:
     def tolist(self):
         self.faults.tick("sync")
         return self.tokens.tolist()
+
+    def item(self):  # a plain step's sync
+        self.faults.tick("sync")
+        return self.tokens.item()
 
 
 class Watched:
@@ -272,7 +277,7 @@ def test_failure_at_every_call_of_a_round_leaves_both_caches_consistent(fault_pa
         tokens = (PROMPT.tolist() + [t for t, _ in yielded])[:-1]
         target_cache, draft_cache = split(target, cache)
         assert_holds(target, target_cache, tokens, exact=False, where=where, max_kv_size=window)
-        assert_holds(draft, draft_cache, tokens, exact=True, where=where, max_kv_size=window)
+        assert_holds(draft, draft_cache, tokens, exact=False, where=where, max_kv_size=window)
 
 
 def test_close_or_throw_at_every_yield(fault_pair):
@@ -294,7 +299,7 @@ def test_close_or_throw_at_every_yield(fault_pair):
             target_cache, draft_cache = split(target, cache)
             where = f"{name}: {how} after {num_taken} tokens"
             assert_holds(target, target_cache, tokens, exact=False, where=where, max_kv_size=window)
-            assert_holds(draft, draft_cache, tokens, exact=True, where=where, max_kv_size=window)
+            assert_holds(draft, draft_cache, tokens, exact=False, where=where, max_kv_size=window)
 
 
 class RecurrentOnly:
@@ -370,7 +375,7 @@ def test_draft_tables_of_another_size_use_the_shared_range():
         if rows < 256:
             assert any(t >= rows for t in tokens)  # the draft was fed ids beyond its table
             tokens = [t if t < rows else 0 for t in tokens]
-        assert_holds(draft, draft_cache, tokens, exact=True)
+        assert_holds(draft, draft_cache, tokens, exact=False)
         processed = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, adaptive_draft_length=False,
                                               max_tokens=16,
                                               logits_processors=processors)
