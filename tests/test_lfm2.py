@@ -331,6 +331,8 @@ def test_caches_after_speculation_equal_a_fresh_feed(target_name, draft_name):
 
 
 def test_quantized_round_trip_generates_and_speculates(tmp_path):
+    """convert -q (MLX-layout source) -> load rebuilds the in-memory quantization bit for
+    bit; the quantized model, a target with a noisy float draft, keeps its greedy output."""
     source = write_checkpoint(tmp_path / "hf", TINY, seed=4)
     convert(str(source), tmp_path / "q", quantize=True, q_bits=8, q_group_size=32)
     quantized, _ = load_model(tmp_path / "q")
@@ -338,6 +340,7 @@ def test_quantized_round_trip_generates_and_speculates(tmp_path):
     quantize_model(in_memory, config, 32, 8)
     tokens = PROMPT[None]
     assert mx.array_equal(quantized(tokens), in_memory(tokens))
+    # 8 bits, group 32 against the float model: 0.033 measured (4 bits: 0.60).
     assert relative_error(quantized(tokens), load_model(source)[0](tokens)) < 0.05
     want = plain(quantized)
     draft = perturb(load_model(source)[0], NOISE, seed=1)
