@@ -22,7 +22,7 @@ Reference: transformers `models/lfm2/modeling_lfm2.py`, `configuration_lfm2.py`.
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -118,7 +118,7 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-def same_value(name: str, value: Any, alias: str, alias_value: Any):
+def same_value(name: str, value: Any, alias: str, alias_value: Any) -> Tuple[Any, Any]:
     """Two config keys for one setting: either may be given; both must then agree."""
     if value is not None and alias_value is not None and value != alias_value:
         raise ValueError(f"{name} is {value!r} but {alias} is {alias_value!r}; they name one setting, keep one")
