@@ -105,7 +105,8 @@ def test_layer_types_and_caches():
     tf4, _ = load_model(FIXTURES / "gemma3_text_tf4")
     assert isinstance(tf4, LanguageModel) and tf4.args.layer_types == [SLIDING, SLIDING, FULL, SLIDING]
     tf5, _ = load_model(FIXTURES / "gemma3_tf5")
-    assert isinstance(tf5, ConditionalGeneration) and tf5.args.text_args.layer_types == [SLIDING, FULL, SLIDING, SLIDING]
+    assert isinstance(tf5, ConditionalGeneration)
+    assert tf5.args.text_args.layer_types == [SLIDING, FULL, SLIDING, SLIDING]
     cache = tf5.make_cache()
     assert [type(c) for c in cache] == [RotatingKVCache, KVCache, RotatingKVCache, RotatingKVCache]
     assert all(c.max_size == WINDOW and c.keep == 0 for c in cache if isinstance(c, RotatingKVCache))
@@ -165,7 +166,8 @@ def test_rms_norm_and_softcap_against_naive_references():
     np.testing.assert_allclose(np.array(rms_norm(mx.array(x), mx.array(w), 1e-6)), want, rtol=1e-5, atol=1e-5)
     half = rms_norm(mx.array(x, dtype=mx.bfloat16), mx.array(w, dtype=mx.bfloat16), 1e-6)
     assert half.dtype == mx.bfloat16
-    np.testing.assert_allclose(np.array(softcap(mx.array(x * 10), 3.0)), 3.0 * np.tanh(x * 10 / 3.0), rtol=1e-5, atol=1e-6)
+    capped = softcap(mx.array(x * 10), 3.0)
+    np.testing.assert_allclose(np.array(capped), 3.0 * np.tanh(x * 10 / 3.0), rtol=1e-5, atol=1e-6)
 
 
 def test_embedding_scale_is_rounded_to_the_compute_dtype():
@@ -220,8 +222,8 @@ def test_conditional_generation_layouts_load(tmp_path):
     _, ids, want = load_fixture("gemma3_tf5")
     weights = raw("gemma3_tf5")
     embed = weights["language_model.model.embed_tokens.weight"]
-    renamed = {("model." + k if not k.startswith("language_model.") else "model.language_model." + k[len("language_model.model."):]): v
-               for k, v in weights.items()}
+    renamed = {k.replace("language_model.model.", "language_model.", 1): v for k, v in weights.items()}
+    renamed = {"model." + k: v for k, v in renamed.items()}
     assert "model.language_model.layers.0.mlp.up_proj.weight" in renamed and "model.vision_tower.head.probe" in renamed
     variants = {"tf4_5x": dict(renamed, **{"lm_head.weight": embed}),
                 "upstream": dict(weights, **{"language_model.lm_head.weight": embed})}
@@ -296,3 +298,16 @@ def test_greedy_speculation_equals_plain(spec_models, target, draft, k):
     if "noisy" in (target, draft) and k == 3:
         # Rounds end fully, partly (a multi-token ring-buffer re-append) and not at all accepted.
         assert {0, 3} <= set(rounds) and any(0 < n < k for n in rounds), rounds
+
+
+def test_greedy_speculation_with_a_bounded_cache_equals_plain(spec_models):
+    """max_kv_size 16 turns the global layers' caches into rings of 16 (4 sinks) beside
+    the sliding layers' rings of 8: two window sizes, one mask each, both rolled back."""
+    target, draft = spec_models["gemma3"], spec_models["noisy"]
+    want = [t for t, _ in generate_step(PROMPT, target, max_tokens=NUM_TOKENS, max_kv_size=16)]
+    stats = SpeculationStats()
+    out = list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3, max_tokens=NUM_TOKENS,
+                                         adaptive_draft_length=False, max_kv_size=16, stats=stats))
+    assert [t for t, _, _ in out] == want
+    assert want != [t for t, _ in generate_step(PROMPT, target, max_tokens=NUM_TOKENS)]  # the bound matters
+    assert any(0 < n < 3 for n in accepted_per_round(out)), accepted_per_round(out)

@@ -76,7 +76,8 @@ def test_moe_and_dense_layers_follow_the_config():
 
 def test_dialects_normalise_alike():
     tf4 = ModelArgs.from_dict(dict(ARGS, num_experts=4, rope_theta=1e6))
-    tf5 = ModelArgs.from_dict(dict(ARGS, num_local_experts=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    tf5 = ModelArgs.from_dict(dict(ARGS, num_local_experts=4, rope_parameters=rope))
     for field in ("num_experts", "rope_theta", "rope_scaling", "mlp_only_layers"):
         assert getattr(tf4, field) == getattr(tf5, field), field
     assert tf4.num_experts == 4

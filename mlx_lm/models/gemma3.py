@@ -107,9 +107,13 @@ class TextModelArgs(BaseModelArgs):
 
     def _refuse_unsupported(self):
         if self.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported; gemma3 uses 'gelu_pytorch_tanh'")
+            raise ValueError(
+                f"hidden_activation {self.hidden_activation!r} is not supported; gemma3 uses 'gelu_pytorch_tanh'"
+            )
         if self.use_bidirectional_attention:
-            raise ValueError("use_bidirectional_attention=True (an embedding model) is not supported; gemma3 here is causal")
+            raise ValueError(
+                "use_bidirectional_attention=True (an embedding model) is not supported; gemma3 here is causal"
+            )
         if self.attn_logit_softcapping is not None:
             raise ValueError(
                 f"attn_logit_softcapping={self.attn_logit_softcapping} is not supported: transformers' Gemma 3 "
@@ -265,10 +269,6 @@ class TextModel(nn.Module):
 class LanguageModel(nn.Module):
     """gemma3_text (Gemma3ForCausalLM): `model.*` and, unless tied, `lm_head`."""
 
-    # Speculation rolls back exactly: sliding layers' RotatingKVCaches record their
-    # pre-forward windows while speculating, global layers' KVCaches trim.
-    supports_speculative_rollback = True
-
     def __init__(self, args: TextModelArgs):
         super().__init__()
         self.args = args
@@ -297,14 +297,14 @@ class LanguageModel(nn.Module):
     def layers(self) -> List[DecoderLayer]:
         return self.model.layers
 
-    # A window-sized ring buffer for sliding layers, a growing cache for global ones (as gpt-oss).
+    # A window-sized ring buffer for sliding layers, a growing cache for global ones (as
+    # gpt-oss). Both roll back exactly by themselves: a speculating RotatingKVCache records
+    # its pre-forward window, a KVCache trims; the layers record nothing.
     make_cache = gpt_oss.Model.make_cache
 
 
 class ConditionalGeneration(nn.Module):
     """gemma3 (Gemma3ForConditionalGeneration): the text model under `language_model.`."""
-
-    supports_speculative_rollback = LanguageModel.supports_speculative_rollback
 
     def __init__(self, args: ModelArgs):
         super().__init__()
