@@ -18,6 +18,7 @@ from .tokenizer_utils import TokenizerWrapper
 MODEL_REMAPPING = {
     "mistral": "llama",
     "iquestcoder": "llama",
+    "gemma3_text": "gemma3",
 }
 
 # What a hub download fetches: configs, weights, code-free tokenizer files.
