@@ -13,6 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import FIXTURES
+from test_gpt_oss import decode_in_chunks, relative_error
 
 from mlx_lm.models.rope_utils import (
     DynamicNTKRoPE,
@@ -22,6 +24,7 @@ from mlx_lm.models.rope_utils import (
     initialize_rope,
     resolve_rope,
 )
+from mlx_lm.utils import load_model
 
 HEAD = 16
 
@@ -85,6 +88,10 @@ def test_llama3_frequencies():
     assert ((ratios > 1 / 8 + 1e-6) & (ratios < 1 - 1e-6)).any()
     x = features(6)
     assert_matches(rope, x, 40, naive_rope(x, range(40, 46), freqs, lambda p: 1.0, HEAD))
+    # Without original_max_position_embeddings: max positions stand in (transformers).
+    bare = {k: v for k, v in config.items() if k != "original_max_position_embeddings"}
+    fallback = Llama3RoPE(HEAD, max_position_embeddings=64, base=10000.0, scaling_config=bare)
+    assert mx.array_equal(fallback._inv_freq, rope._inv_freq)
 
 
 def yarn_reference_freqs(dims, base, factor, original, beta_fast=32, beta_slow=1):
@@ -190,11 +197,25 @@ def test_dynamic_ntk_per_position(traditional):
     assert_matches(rope, x, 28, naive_rope(x, range(28, 36), freqs, lambda p: 1.0, HEAD, traditional), tol=1e-4)
 
 
+def test_dynamic_ntk_matches_transformers_token_by_token():
+    """fixtures/llama_dynamic_tf4: a llama with dynamic NTK rope (factor 4) over 24
+    tokens, max_position_embeddings 12. Every chunking gives transformers' incremental
+    logits; its one full forward (base from the call's length, for all positions) differs."""
+    model, _ = load_model(FIXTURES / "llama_dynamic_tf4")
+    reference = mx.load(str(FIXTURES / "llama_dynamic_tf4" / "reference.safetensors"))
+    ids, want = reference["input_ids"], reference["incremental_logits"]
+    assert type(model.layers[0].self_attn.rope) is DynamicNTKRoPE
+    assert relative_error(model(ids), want) < 1e-4
+    assert relative_error(decode_in_chunks(model, ids, 5), want) < 1e-4
+    assert relative_error(reference["logits"], want) > 1e-2
+
+
 # --- initialize_rope with upstream's arguments -----------------------------------------
 
 UPSTREAM_CONFIGS = [
     ({"type": "linear", "factor": 2.0}, nn.RoPE),
     ({"rope_type": "default"}, nn.RoPE),
+    ({"type": "mrope", "mrope_section": [2, 3, 3]}, nn.RoPE),  # text positions: plain rope
     ({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 8192}, Llama3RoPE),
     ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1},

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "mrope", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def resolve_rope(
@@ -199,21 +199,22 @@ class ScaledRoPE(nn.Module):
 
 class Llama3RoPE(ScaledRoPE):
     """Llama 3.1 frequency smoothing; `scaling_config` holds factor, low_freq_factor,
-    high_freq_factor and original_max_position_embeddings (default 8192)."""
+    high_freq_factor and original_max_position_embeddings (missing: max_position_embeddings,
+    as transformers; both None: 8192, Llama 3.1's)."""
 
     def __init__(
-        self, dims: int, max_position_embeddings: int = 2048, traditional: bool = False,
+        self, dims: int, max_position_embeddings: Optional[int] = 2048, traditional: bool = False,
         base: float = 10000, scaling_config: Optional[Dict[str, Any]] = None,
     ):
         config = scaling_config or {}
         if "factor" not in config:
             raise ValueError(f"llama3 rope needs a 'factor' in its scaling config, got {scaling_config!r}")
+        original = config.get("original_max_position_embeddings") or max_position_embeddings or 8192
         inv_freq = llama3_inv_freq(
             dims, base, config["factor"], config.get("low_freq_factor", 1.0), config.get("high_freq_factor", 4.0),
-            config.get("original_max_position_embeddings", 8192),
+            original,
         )
         super().__init__(dims, inv_freq, traditional)
-        self.max_position_embeddings = max_position_embeddings
 
 
 class YarnRoPE(ScaledRoPE):
