@@ -212,6 +212,8 @@ def test_dynamic_ntk_matches_transformers_token_by_token():
 
 # --- initialize_rope with upstream's arguments -----------------------------------------
 
+LONGROPE_WITH_FACTOR = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                        "original_max_position_embeddings": 16, "factor": 4.0}
 UPSTREAM_CONFIGS = [
     ({"type": "linear", "factor": 2.0}, nn.RoPE),
     ({"rope_type": "default"}, nn.RoPE),
@@ -221,8 +223,7 @@ UPSTREAM_CONFIGS = [
     ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1},
      YarnRoPE),
     ({"type": "longrope", "short_factor": SHORT, "long_factor": LONG}, SuScaledRoPE),
-    ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "original_max_position_embeddings": 16,
-      "factor": 4.0}, SuScaledRoPE),
+    (LONGROPE_WITH_FACTOR, SuScaledRoPE),
     ({"type": "dynamic", "factor": 2.0}, DynamicNTKRoPE),
 ]
 
@@ -249,7 +250,7 @@ def test_initialize_rope_longrope_defaults():
     explicit factor gives the attention factor from it, not from max / original."""
     rope = initialize_rope(HEAD, 1e4, False, {"type": "longrope", "short_factor": SHORT, "long_factor": LONG}, 4096)
     assert rope.original_max_position_embeddings == 4096 and rope.short_mscale == 1.0
-    rope = initialize_rope(HEAD, 1e4, False, UPSTREAM_CONFIGS[5][0], 128)
+    rope = initialize_rope(HEAD, 1e4, False, LONGROPE_WITH_FACTOR, 128)
     assert rope.long_mscale == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(16)))
 
 
