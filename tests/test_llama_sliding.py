@@ -80,8 +80,8 @@ def test_config_errors_name_the_value():
         ModelArgs.from_dict(dict(BASE, model_type="llama", layer_types=[SLIDING, FULL]))
     with pytest.raises(ValueError, match="3 entries but num_hidden_layers is 2"):
         ModelArgs.from_dict(dict(BASE, model_type="llama", sliding_window=8, layer_types=[SLIDING] * 3))
-    with pytest.raises(ValueError, match="chunked_attention"):
-        ModelArgs.from_dict(dict(BASE, model_type="llama", sliding_window=8, layer_types=[SLIDING, "chunked_attention"]))
+    with pytest.raises(ValueError, match="chunked"):
+        ModelArgs.from_dict(dict(BASE, model_type="llama", sliding_window=8, layer_types=[SLIDING, "chunked"]))
 
 
 MISTRAL = dict(BASE, model_type="mistral", intermediate_size=128, num_key_value_heads=2, vocab_size=512,

@@ -19,7 +19,7 @@ References: "RoFormer" (arXiv 2104.09864); YaRN (arXiv 2309.00071); LongRoPE (ar
 """
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -163,18 +163,21 @@ def rope_with_angles(x: mx.array, dims: int, angles: mx.array, traditional: bool
     return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < x.shape[-1] else out
 
 
-def split_at_position(x: mx.array, offset: int, boundary: int) -> Tuple[mx.array, mx.array]:
-    """x (B, *, L, D) at positions offset.. split into the rows before `boundary` and the
-    rows from it on (either may be empty)."""
+RangeRope = Callable[[mx.array, int], mx.array]  # (rows (B, *, n, D), their first position) -> rotated
+
+
+def rope_either_side(x: mx.array, offset: int, boundary: int, before: RangeRope, after: RangeRope) -> mx.array:
+    """x (B, *, L, D) at positions offset .. offset + L - 1: the rows before `boundary`
+    rotated by `before`, the rest by `after` (a call on one side is not split)."""
     if not isinstance(offset, int):
         raise ValueError(f"this rope switches frequencies at a position and needs an int offset, got {offset!r}")
     num_before = min(max(boundary - offset, 0), x.shape[-2])
-    return x[..., :num_before, :], x[..., num_before:, :]
-
-
-def _join(parts: List[mx.array]) -> mx.array:
-    parts = [p for p in parts if p.shape[-2] > 0]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+    if num_before == x.shape[-2]:
+        return before(x, offset)
+    if num_before == 0:
+        return after(x, offset)
+    head, tail = x[..., :num_before, :], x[..., num_before:, :]
+    return mx.concatenate([before(head, offset), after(tail, offset + num_before)], axis=-2)
 
 
 # --- modules ---------------------------------------------------------------------------
@@ -253,7 +256,9 @@ class SuScaledRoPE(nn.Module):
         super().__init__()
         for name, factors in (("short_factor", short_factor), ("long_factor", long_factor)):
             if np.ndim(factors) and np.shape(factors) != (dims // 2,):
-                raise ValueError(f"longrope {name} needs {dims // 2} values for {dims} rotated features, got {np.shape(factors)}")
+                raise ValueError(
+                    f"longrope {name} needs {dims // 2} values for {dims} rotated features, got {np.shape(factors)}"
+                )
         default_mscale = longrope_attention_factor(
             max_position_embeddings / original_max_position_embeddings, original_max_position_embeddings
         )
@@ -266,12 +271,13 @@ class SuScaledRoPE(nn.Module):
         self._long_inv_freq = mx.array(longrope_inv_freq(dims, base, long_factor).astype(np.float32))
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        short, long = split_at_position(x, offset, self.original_max_position_embeddings)
-        return _join([
-            rope_with_inv_freq(short, self.dims, offset, self._short_inv_freq, self.traditional, self.short_mscale),
-            rope_with_inv_freq(long, self.dims, offset + short.shape[-2], self._long_inv_freq, self.traditional,
-                               self.long_mscale),
-        ])
+        return rope_either_side(x, offset, self.original_max_position_embeddings, self._short, self._long)
+
+    def _short(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_inv_freq(x, self.dims, offset, self._short_inv_freq, self.traditional, self.short_mscale)
+
+    def _long(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_inv_freq(x, self.dims, offset, self._long_inv_freq, self.traditional, self.long_mscale)
 
 
 class DynamicNTKRoPE(nn.Module):
@@ -295,12 +301,13 @@ class DynamicNTKRoPE(nn.Module):
         return mx.array((positions / bases**exponents).astype(np.float32))  # (num_positions, dims // 2)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        within, beyond = split_at_position(x, offset, self.max_position_embeddings)
-        beyond_offset = offset + within.shape[-2]
-        return _join([
-            rope_with_inv_freq(within, self.dims, offset, self._inv_freq, self.traditional),
-            rope_with_angles(beyond, self.dims, self.angles(beyond_offset, beyond.shape[-2]), self.traditional),
-        ])
+        return rope_either_side(x, offset, self.max_position_embeddings, self._within, self._beyond)
+
+    def _within(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_inv_freq(x, self.dims, offset, self._inv_freq, self.traditional)
+
+    def _beyond(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_angles(x, self.dims, self.angles(offset, x.shape[-2]), self.traditional)
 
 
 def initialize_rope(
