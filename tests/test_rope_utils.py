@@ -82,7 +82,7 @@ def test_llama3_frequencies():
                 out.append((1 - smooth) * f / 8.0 + smooth * f)
         return np.array(out)
 
-    np.testing.assert_allclose(np.array(rope._inv_freq), freqs(0), rtol=1e-6)
+    np.testing.assert_allclose(1 / np.array(rope._freqs), freqs(0), rtol=1e-6)
     ratios = freqs(0) / plain_freqs(HEAD, 1e4)  # the config has all three bands: kept, blended, slowed
     assert np.isclose(ratios, 1).any() and np.isclose(ratios, 1 / 8).any()
     assert ((ratios > 1 / 8 + 1e-6) & (ratios < 1 - 1e-6)).any()
@@ -91,7 +91,7 @@ def test_llama3_frequencies():
     # Without original_max_position_embeddings: max positions stand in (transformers).
     bare = {k: v for k, v in config.items() if k != "original_max_position_embeddings"}
     fallback = Llama3RoPE(HEAD, max_position_embeddings=64, base=10000.0, scaling_config=bare)
-    assert mx.array_equal(fallback._inv_freq, rope._inv_freq)
+    assert mx.array_equal(fallback._freqs, rope._freqs)
 
 
 def yarn_reference_freqs(dims, base, factor, original, beta_fast=32, beta_slow=1):

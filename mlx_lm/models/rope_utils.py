@@ -139,14 +139,18 @@ def scale_rotated(x: mx.array, dims: int, mscale: float) -> mx.array:
     return mx.concatenate([x[..., :dims] * mscale, x[..., dims:]], axis=-1)
 
 
-def rope_with_inv_freq(
-    x: mx.array, dims: int, offset: int, inv_freq: mx.array, traditional: bool, mscale: float = 1.0
+def periods(inv_freq: np.ndarray) -> mx.array:
+    """What mx.fast.rope's `freqs` takes: 1 / inverse frequency, (dims // 2,) float32."""
+    return mx.array((1.0 / inv_freq).astype(np.float32))
+
+
+def rope_with_periods(
+    x: mx.array, dims: int, offset: int, freqs: mx.array, traditional: bool, mscale: float = 1.0
 ) -> mx.array:
-    """x (B, *, L, D) rotated at positions offset .. offset + L - 1 with frequencies
-    inv_freq (dims // 2,) float32; features past `dims` pass through."""
+    """x (B, *, L, D) rotated at positions offset .. offset + L - 1, pair i turning by
+    position / freqs[i] (see `periods`); features past `dims` pass through."""
     x = scale_rotated(x, dims, mscale)
-    # mx.fast.rope takes periods (1 / inverse frequency).
-    return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=1.0, offset=offset, freqs=1.0 / inv_freq)
+    return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=1.0, offset=offset, freqs=freqs)
 
 
 def rope_with_angles(x: mx.array, dims: int, angles: mx.array, traditional: bool) -> mx.array:
@@ -194,10 +198,10 @@ class ScaledRoPE(nn.Module):
         self.dims = dims
         self.traditional = traditional
         self.mscale = float(mscale)
-        self._inv_freq = mx.array(inv_freq.astype(np.float32))  # underscore: not a parameter
+        self._freqs = periods(inv_freq)  # underscore: not a parameter
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        return rope_with_inv_freq(x, self.dims, offset, self._inv_freq, self.traditional, self.mscale)
+        return rope_with_periods(x, self.dims, offset, self._freqs, self.traditional, self.mscale)
 
 
 class Llama3RoPE(ScaledRoPE):
@@ -267,17 +271,17 @@ class SuScaledRoPE(nn.Module):
         self.original_max_position_embeddings = original_max_position_embeddings
         self.short_mscale = default_mscale if short_mscale is None else float(short_mscale)
         self.long_mscale = default_mscale if long_mscale is None else float(long_mscale)
-        self._short_inv_freq = mx.array(longrope_inv_freq(dims, base, short_factor).astype(np.float32))
-        self._long_inv_freq = mx.array(longrope_inv_freq(dims, base, long_factor).astype(np.float32))
+        self._short_freqs = periods(longrope_inv_freq(dims, base, short_factor))
+        self._long_freqs = periods(longrope_inv_freq(dims, base, long_factor))
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return rope_either_side(x, offset, self.original_max_position_embeddings, self._short, self._long)
 
     def _short(self, x: mx.array, offset: int) -> mx.array:
-        return rope_with_inv_freq(x, self.dims, offset, self._short_inv_freq, self.traditional, self.short_mscale)
+        return rope_with_periods(x, self.dims, offset, self._short_freqs, self.traditional, self.short_mscale)
 
     def _long(self, x: mx.array, offset: int) -> mx.array:
-        return rope_with_inv_freq(x, self.dims, offset, self._long_inv_freq, self.traditional, self.long_mscale)
+        return rope_with_periods(x, self.dims, offset, self._long_freqs, self.traditional, self.long_mscale)
 
 
 class DynamicNTKRoPE(nn.Module):
@@ -291,7 +295,7 @@ class DynamicNTKRoPE(nn.Module):
             raise ValueError("dynamic rope needs max_position_embeddings, got None")
         self.dims, self.base, self.traditional = dims, base, traditional
         self.factor, self.max_position_embeddings = factor, max_position_embeddings
-        self._inv_freq = mx.array(default_inv_freq(dims, base).astype(np.float32))
+        self._freqs = periods(default_inv_freq(dims, base))
 
     def angles(self, offset: int, num_positions: int) -> mx.array:
         """(num_positions, dims // 2) float32 angles for positions offset.. (all past max)."""
@@ -304,7 +308,7 @@ class DynamicNTKRoPE(nn.Module):
         return rope_either_side(x, offset, self.max_position_embeddings, self._within, self._beyond)
 
     def _within(self, x: mx.array, offset: int) -> mx.array:
-        return rope_with_inv_freq(x, self.dims, offset, self._inv_freq, self.traditional)
+        return rope_with_periods(x, self.dims, offset, self._freqs, self.traditional)
 
     def _beyond(self, x: mx.array, offset: int) -> mx.array:
         return rope_with_angles(x, self.dims, self.angles(offset, x.shape[-2]), self.traditional)
