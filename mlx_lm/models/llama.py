@@ -2,7 +2,17 @@
 
 This file is also the dense skeleton qwen2 and qwen3 reuse: they bring their own
 `ModelArgs`, whose `qkv_bias`, `o_bias` and `qk_norm` say how their attention differs.
-Reference: transformers `models/llama/modeling_llama.py`.
+
+Sliding-window attention: a layer of kind "sliding_attention" lets a query see its
+`sliding_window` most recent positions, itself included, and caches them in a
+`RotatingKVCache`; "full_attention" layers see everything. The kinds come from
+`layer_types` (Ministral style, mixed) when given; else a Mistral config's
+`sliding_window` makes every layer slide, as transformers' MistralModel does (a Llama
+config has no window, and Qwen2/3 configs carry one that only their `layer_types` or
+`use_sliding_window` switch on).
+
+References: transformers `models/llama/modeling_llama.py`, `models/mistral/`,
+`models/ministral/`.
 """
 
 from dataclasses import dataclass
@@ -11,9 +21,19 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseModelArgs, check_head_grouping, create_attention_mask, scaled_dot_product_attention
-from .cache import KVCache
+from .base import (
+    BaseModelArgs,
+    check_head_grouping,
+    check_layer_types,
+    create_attention_mask,
+    scaled_dot_product_attention,
+)
+from .cache import KVCache, RotatingKVCache
 from .rope_utils import initialize_rope, resolve_rope
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Model types whose bare `sliding_window` (no layer_types) applies to every layer.
+WINDOW_ON_EVERY_LAYER = ("mistral",)
 
 
 @dataclass
@@ -34,6 +54,8 @@ class ModelArgs(BaseModelArgs):
     rope_scaling: Optional[Dict[str, Any]] = None
     rope_parameters: Optional[Dict[str, Any]] = None
     tie_word_embeddings: bool = False
+    sliding_window: Optional[int] = None
+    layer_types: Optional[List[str]] = None
 
     qk_norm = False  # qwen3 normalises each query and key head before rope
 
@@ -45,6 +67,18 @@ class ModelArgs(BaseModelArgs):
         check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
         theta, self.rope_scaling, _ = resolve_rope(self.rope_theta, self.rope_scaling, self.rope_parameters)
         self.rope_theta = 10000.0 if theta is None else theta
+        self._set_layer_types()
+
+    def _set_layer_types(self):
+        if self.layer_types is None:
+            every = self.sliding_window is not None and self.model_type in WINDOW_ON_EVERY_LAYER
+            self.layer_types = [SLIDING if every else FULL] * self.num_hidden_layers
+        check_layer_types(self.layer_types, self.num_hidden_layers, (SLIDING, FULL))
+        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(
+                f"layer_types has sliding_attention layers but sliding_window is {self.sliding_window!r}; "
+                "give a positive window size"
+            )
 
     @property
     def qkv_bias(self) -> bool:
@@ -102,8 +136,9 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_type: str = FULL):
         super().__init__()
+        self.layer_type = layer_type
         self.self_attn = Attention(args)
         self.mlp = MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -115,28 +150,52 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    block_class = TransformerBlock  # families with another block (phi3) swap it
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [self.block_class(args, layer_type) for layer_type in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.sliding_window = args.sliding_window
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
         if cache is None:
             cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
+        masks = masks_by_layer_type(h, self.layers, cache, self.sliding_window)
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, mask, layer_cache)
+            h = layer(h, masks[layer.layer_type], layer_cache)
         return self.norm(h)
 
 
+def masks_by_layer_type(
+    h: mx.array, layers: List[nn.Module], cache: List[Any], sliding_window: Optional[int]
+) -> Dict[str, Optional[mx.array]]:
+    """One mask per attention kind (each layer's `layer_type`), from the first cache of
+    that kind: all caches of a kind hold the same positions. Sliding masks are windowed
+    even without a cache."""
+    masks = {}
+    for layer, layer_cache in zip(layers, cache):
+        if layer.layer_type not in masks:
+            window = sliding_window if layer.layer_type == SLIDING else None
+            masks[layer.layer_type] = create_attention_mask(h, layer_cache, window_size=window)
+    return masks
+
+
+def make_layer_caches(layers: List[nn.Module], sliding_window: Optional[int]) -> List[Any]:
+    """A window-sized ring buffer for each sliding layer, a growing cache for full ones."""
+    return [RotatingKVCache(sliding_window) if layer.layer_type == SLIDING else KVCache() for layer in layers]
+
+
 class Model(nn.Module):
+    backbone_class = LlamaModel
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = LlamaModel(args)
+        self.model = self.backbone_class(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -158,5 +217,5 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
-    def make_cache(self) -> List[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> List[Any]:
+        return make_layer_caches(self.layers, self.args.sliding_window)

@@ -1,18 +1,31 @@
-"""Rotary position embeddings: default, linear, llama3 and yarn scaling.
+"""Rotary position embeddings: default, linear, dynamic (NTK), llama3, yarn and longrope.
 
 Configs come in two dialects. transformers 4 writes `rope_theta` and `rope_scaling` at
 the top level; transformers 5 writes one `rope_parameters` dict holding `rope_theta`,
-`rope_type` and the scaling keys. `resolve_rope` reads either into (theta, scaling).
+`rope_type` and the scaling keys. `resolve_rope` reads either into (theta, scaling), and
+`initialize_rope` accepts that scaling dict or upstream's (a "type" or "rope_type" key).
+Nothing here mutates a config dict it is given.
+
+Every module is a pure function of (features, absolute position): the rotation of a
+token never depends on how the sequence was split into forward calls. That is what
+makes cached decoding, chunked prefill and speculative verification agree. transformers
+instead switches longrope's and dynamic NTK's frequencies per forward call, by the
+largest position in the call; its token-by-token decoding is exactly ours, its single
+full forward over a sequence crossing the boundary rotates the early tokens with the
+long-context frequencies too.
+
+References: "RoFormer" (arXiv 2104.09864); YaRN (arXiv 2309.00071); LongRoPE (arXiv
+2402.13753); transformers `modeling_rope_utils.py`.
 """
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "mrope", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def resolve_rope(
@@ -23,7 +36,7 @@ def resolve_rope(
     """Normalise both config dialects to (theta, scaling, partial_rotary_factor).
 
     Values set at the top level win over `rope_parameters`. `scaling` is None for plain
-    rope, else a dict with a "rope_type" key. Missing values come back as None.
+    rope, else a new dict with a "rope_type" key. Missing values come back as None.
     """
     params = dict(rope_parameters or {})
     if rope_parameters is not None and not isinstance(rope_parameters, dict):
@@ -40,84 +53,265 @@ def resolve_rope(
     return rope_theta, scaling, partial_rotary_factor
 
 
-def llama3_inv_freq(dims: int, base: float, scaling: Dict[str, Any]) -> np.ndarray:
-    """Llama 3.1 frequencies: long wavelengths slowed by `factor`, a smooth blend between."""
-    inv_freq = 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float64) / dims))
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_context = scaling.get("original_max_position_embeddings", 8192)
+# --- inverse frequencies (numpy, float64): (dims // 2,) each ---------------------------
+
+
+def default_inv_freq(dims: int, base: float) -> np.ndarray:
+    """theta_i = base^(-2i / dims), i = 0 .. dims/2 - 1."""
+    return 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float64) / dims))
+
+
+def llama3_inv_freq(
+    dims: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> np.ndarray:
+    """Llama 3.1: wavelengths longer than original / low_freq_factor slowed by `factor`,
+    shorter than original / high_freq_factor kept, a linear blend in between."""
+    inv_freq = default_inv_freq(dims, base)
     wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
+    old_context = original_max_position_embeddings
     smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     return np.where(
-        wavelen > low_freq_wavelen,
+        wavelen > old_context / low_freq_factor,
         inv_freq / factor,
-        np.where(wavelen < high_freq_wavelen, inv_freq, blended),
+        np.where(wavelen < old_context / high_freq_factor, inv_freq, blended),
     )
 
 
 def yarn_inv_freq(
-    dims: int, base: float, scaling: Dict[str, Any], max_position_embeddings: Optional[int]
-) -> Tuple[np.ndarray, float]:
-    """YaRN (arXiv 2309.00071): interpolate low frequencies, keep high ones; returns
-    (inv_freq, attention_factor), the factor scaling the rotated features."""
-    factor = scaling.get("factor")
-    original = scaling["original_max_position_embeddings"]
-    if factor is None:
-        factor = max_position_embeddings / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-
-        def get_mscale(scale, mscale=1.0):
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = get_mscale(factor)
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
+    dims: int, base: float, factor: float, original_max_position_embeddings: int,
+    beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
+) -> np.ndarray:
+    """YaRN: dimensions that turn more than beta_fast times over the original context
+    keep their frequency, fewer than beta_slow times are interpolated by `factor`, a
+    linear ramp between."""
 
     def correction_dim(num_rotations):
-        return dims * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+        return dims * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dims - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    extrapolation_weight = 1 - ramp
-    pos_freqs = base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
-    inv_freq = (1 / (factor * pos_freqs)) * ramp + (1 / pos_freqs) * extrapolation_weight
-    return inv_freq, float(attention_factor)
+    inv_freq = default_inv_freq(dims, base)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def longrope_inv_freq(dims: int, base: float, factors: Union[float, Sequence[float]]) -> np.ndarray:
+    """LongRoPE: theta_i / factors_i, one rescale factor per frequency (or one for all)."""
+    factors = np.broadcast_to(np.asarray(factors, dtype=np.float64), (dims // 2,))
+    return default_inv_freq(dims, base) / factors
+
+
+def longrope_attention_factor(factor: float, original_max_position_embeddings: int) -> float:
+    """sqrt(1 + ln(factor) / ln(original)), 1 when the context is not extended."""
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+
+
+def dynamic_ntk_base(base: float, dims: int, factor: float, max_position_embeddings: int, seq_len):
+    """Dynamic NTK: the base for a sequence of seq_len tokens (an int or an array of them);
+    unchanged up to max_position_embeddings, then
+    base * (factor * seq_len / max - (factor - 1))^(dims / (dims - 2))."""
+    seq_len = np.maximum(seq_len, max_position_embeddings)
+    return base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dims / (dims - 2))
+
+
+# --- applying a rotation (mlx) ---------------------------------------------------------
+
+
+def scale_rotated(x: mx.array, dims: int, mscale: float) -> mx.array:
+    """x (..., D) with its first `dims` features times mscale (yarn's and longrope's
+    attention factor scales cos and sin alike, so the rotated part only)."""
+    if mscale == 1.0:
+        return x
+    if dims == x.shape[-1]:
+        return x * mscale
+    return mx.concatenate([x[..., :dims] * mscale, x[..., dims:]], axis=-1)
+
+
+def periods(inv_freq: np.ndarray) -> mx.array:
+    """What mx.fast.rope's `freqs` takes: 1 / inverse frequency, (dims // 2,) float32."""
+    return mx.array((1.0 / inv_freq).astype(np.float32))
+
+
+def rope_with_periods(
+    x: mx.array, dims: int, offset: int, freqs: mx.array, traditional: bool, mscale: float = 1.0
+) -> mx.array:
+    """x (B, *, L, D) rotated at positions offset .. offset + L - 1, pair i turning by
+    position / freqs[i] (see `periods`); features past `dims` pass through."""
+    x = scale_rotated(x, dims, mscale)
+    return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=1.0, offset=offset, freqs=freqs)
+
+
+def rope_with_angles(x: mx.array, dims: int, angles: mx.array, traditional: bool) -> mx.array:
+    """x (B, *, L, D) rotated by explicit angles (L, dims // 2): pairs (i, i + dims/2),
+    or (2i, 2i + 1) if traditional, turn by angles[:, i]."""
+    cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+    rotated = x[..., :dims]
+    if traditional:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+        out = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rotated.shape)
+    else:
+        x1, x2 = rotated[..., : dims // 2], rotated[..., dims // 2 :]
+        out = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < x.shape[-1] else out
+
+
+RangeRope = Callable[[mx.array, int], mx.array]  # (rows (B, *, n, D), their first position) -> rotated
+
+
+def rope_either_side(x: mx.array, offset: int, boundary: int, before: RangeRope, after: RangeRope) -> mx.array:
+    """x (B, *, L, D) at positions offset .. offset + L - 1: the rows before `boundary`
+    rotated by `before`, the rest by `after` (a call on one side is not split)."""
+    if not isinstance(offset, int):
+        raise ValueError(f"this rope switches frequencies at a position and needs an int offset, got {offset!r}")
+    num_before = min(max(boundary - offset, 0), x.shape[-2])
+    if num_before == x.shape[-2]:
+        return before(x, offset)
+    if num_before == 0:
+        return after(x, offset)
+    head, tail = x[..., :num_before, :], x[..., num_before:, :]
+    return mx.concatenate([before(head, offset), after(tail, offset + num_before)], axis=-2)
+
+
+# --- modules ---------------------------------------------------------------------------
 
 
 class ScaledRoPE(nn.Module):
-    """Rope from explicit inverse frequencies, with an optional scale on the rotated
-    features (yarn's attention factor scales cos and sin alike)."""
+    """Rope from explicit inverse frequencies (dims // 2,), with an optional scale on the
+    rotated features."""
 
-    def __init__(self, dims: int, inv_freq: np.ndarray, traditional: bool, mscale: float):
+    def __init__(self, dims: int, inv_freq: np.ndarray, traditional: bool = False, mscale: float = 1.0):
         super().__init__()
+        if inv_freq.shape != (dims // 2,):
+            raise ValueError(f"rope over {dims} features needs {dims // 2} frequencies, got shape {inv_freq.shape}")
         self.dims = dims
         self.traditional = traditional
-        self.mscale = mscale
-        # mx.fast.rope takes periods (1 / inverse frequency); kept out of parameters.
-        self._freqs = mx.array((1.0 / inv_freq).astype(np.float32))
+        self.mscale = float(mscale)
+        self._freqs = periods(inv_freq)  # underscore: not a parameter
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        if self.mscale != 1.0:
-            rotated = x[..., : self.dims] * self.mscale
-            x = mx.concatenate([rotated, x[..., self.dims :]], axis=-1) if self.dims < x.shape[-1] else rotated
-        return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=None, scale=1.0,
-            offset=offset, freqs=self._freqs,
+        return rope_with_periods(x, self.dims, offset, self._freqs, self.traditional, self.mscale)
+
+
+class Llama3RoPE(ScaledRoPE):
+    """Llama 3.1 frequency smoothing; `scaling_config` holds factor, low_freq_factor,
+    high_freq_factor and original_max_position_embeddings (missing: max_position_embeddings,
+    as transformers; both None: 8192, Llama 3.1's)."""
+
+    def __init__(
+        self, dims: int, max_position_embeddings: Optional[int] = 2048, traditional: bool = False,
+        base: float = 10000, scaling_config: Optional[Dict[str, Any]] = None,
+    ):
+        config = scaling_config or {}
+        if "factor" not in config:
+            raise ValueError(f"llama3 rope needs a 'factor' in its scaling config, got {scaling_config!r}")
+        original = config.get("original_max_position_embeddings") or max_position_embeddings or 8192
+        inv_freq = llama3_inv_freq(
+            dims, base, config["factor"], config.get("low_freq_factor", 1.0), config.get("high_freq_factor", 4.0),
+            original,
         )
+        super().__init__(dims, inv_freq, traditional)
+
+
+class YarnRoPE(ScaledRoPE):
+    """YaRN: ramped interpolation of the frequencies, rotated features times the
+    attention factor get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) unless
+    `attention_factor` is given. scaling_factor None: max / original positions."""
+
+    def __init__(
+        self, dims: int, traditional: bool = False, max_position_embeddings: int = 2048, base: float = 10000,
+        scaling_factor: Optional[float] = 1.0, original_max_position_embeddings: int = 4096,
+        beta_fast: float = 32, beta_slow: float = 1, mscale: float = 1, mscale_all_dim: float = 0,
+        *, attention_factor: Optional[float] = None, truncate: bool = True,
+    ):
+        if scaling_factor is None:
+            scaling_factor = max_position_embeddings / original_max_position_embeddings
+        if attention_factor is None:
+            attention_factor = yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor, mscale_all_dim)
+        inv_freq = yarn_inv_freq(
+            dims, base, scaling_factor, original_max_position_embeddings, beta_fast, beta_slow, truncate
+        )
+        super().__init__(dims, inv_freq, traditional, attention_factor)
+
+
+class SuScaledRoPE(nn.Module):
+    """LongRoPE ("su" scaling, Phi-3.5 / Phi-4-mini): positions below
+    original_max_position_embeddings turn with base frequencies / short_factor and are
+    scaled by short_mscale, later positions with / long_factor and long_mscale. Either
+    mscale defaults to longrope_attention_factor(max / original, original)."""
+
+    def __init__(
+        self, dims: int, base: float = 10000.0, max_position_embeddings: int = 131072,
+        original_max_position_embeddings: int = 4096,
+        short_factor: Union[float, Sequence[float]] = 1.0, long_factor: Union[float, Sequence[float]] = 1.0,
+        short_mscale: Optional[float] = None, long_mscale: Optional[float] = None, *, traditional: bool = False,
+    ):
+        super().__init__()
+        for name, factors in (("short_factor", short_factor), ("long_factor", long_factor)):
+            if np.ndim(factors) and np.shape(factors) != (dims // 2,):
+                raise ValueError(
+                    f"longrope {name} needs {dims // 2} values for {dims} rotated features, got {np.shape(factors)}"
+                )
+        default_mscale = longrope_attention_factor(
+            max_position_embeddings / original_max_position_embeddings, original_max_position_embeddings
+        )
+        self.dims = dims
+        self.traditional = traditional
+        self.original_max_position_embeddings = original_max_position_embeddings
+        self.short_mscale = default_mscale if short_mscale is None else float(short_mscale)
+        self.long_mscale = default_mscale if long_mscale is None else float(long_mscale)
+        self._short_freqs = periods(longrope_inv_freq(dims, base, short_factor))
+        self._long_freqs = periods(longrope_inv_freq(dims, base, long_factor))
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return rope_either_side(x, offset, self.original_max_position_embeddings, self._short, self._long)
+
+    def _short(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_periods(x, self.dims, offset, self._short_freqs, self.traditional, self.short_mscale)
+
+    def _long(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_periods(x, self.dims, offset, self._long_freqs, self.traditional, self.long_mscale)
+
+
+class DynamicNTKRoPE(nn.Module):
+    """Dynamic NTK scaling: plain rope up to max_position_embeddings; the token at
+    position p beyond it turns with the base dynamic_ntk_base(..., seq_len=p + 1), the
+    base transformers uses when that token is decoded."""
+
+    def __init__(self, dims: int, base: float, traditional: bool, factor: float, max_position_embeddings: int):
+        super().__init__()
+        if max_position_embeddings is None:
+            raise ValueError("dynamic rope needs max_position_embeddings, got None")
+        self.dims, self.base, self.traditional = dims, base, traditional
+        self.factor, self.max_position_embeddings = factor, max_position_embeddings
+        self._freqs = periods(default_inv_freq(dims, base))
+
+    def angles(self, offset: int, num_positions: int) -> mx.array:
+        """(num_positions, dims // 2) float32 angles for positions offset.. (all past max)."""
+        positions = np.arange(offset, offset + num_positions, dtype=np.float64)[:, None]
+        bases = dynamic_ntk_base(self.base, self.dims, self.factor, self.max_position_embeddings, positions + 1)
+        exponents = np.arange(0, self.dims, 2, dtype=np.float64)[None] / self.dims
+        return mx.array((positions / bases**exponents).astype(np.float32))  # (num_positions, dims // 2)
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return rope_either_side(x, offset, self.max_position_embeddings, self._within, self._beyond)
+
+    def _within(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_periods(x, self.dims, offset, self._freqs, self.traditional)
+
+    def _beyond(self, x: mx.array, offset: int) -> mx.array:
+        return rope_with_angles(x, self.dims, self.angles(offset, x.shape[-2]), self.traditional)
 
 
 def initialize_rope(
@@ -127,17 +321,50 @@ def initialize_rope(
     scaling_config: Optional[Dict[str, Any]] = None,
     max_position_embeddings: Optional[int] = None,
 ) -> nn.Module:
-    """The rope module for `dims` rotated features; `scaling_config` as from resolve_rope."""
-    rope_type = (scaling_config or {}).get("rope_type", "default")
-    if rope_type == "default":
+    """The rope module for `dims` rotated features. `scaling_config`: None, the dict
+    resolve_rope returns, or upstream's (the rope type under "type" or "rope_type")."""
+    config = dict(scaling_config or {})
+    rope_type = config.get("rope_type") or config.get("type") or "default"
+    if rope_type in ("default", "mrope"):  # mrope: text-only positions are plain rope
         return nn.RoPE(dims, traditional=traditional, base=base)
     if rope_type == "linear":
-        return nn.RoPE(dims, traditional=traditional, base=base, scale=1 / scaling_config["factor"])
+        return nn.RoPE(dims, traditional=traditional, base=base, scale=1 / config["factor"])
+    if rope_type == "dynamic":
+        return DynamicNTKRoPE(dims, base, traditional, config["factor"], max_position_embeddings)
+    if max_position_embeddings is not None:  # transformers' fallback for the original context
+        config.setdefault("original_max_position_embeddings", max_position_embeddings)
     if rope_type == "llama3":
-        return ScaledRoPE(dims, llama3_inv_freq(dims, base, scaling_config), traditional, 1.0)
+        return Llama3RoPE(dims, max_position_embeddings, traditional, base, config)
     if rope_type == "yarn":
-        inv_freq, mscale = yarn_inv_freq(dims, base, scaling_config, max_position_embeddings)
-        return ScaledRoPE(dims, inv_freq, traditional, mscale)
-    raise ValueError(
-        f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        return _yarn_from_config(dims, base, traditional, config, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_from_config(dims, base, traditional, config, max_position_embeddings)
+    raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _original_context(config: Dict[str, Any], rope_type: str) -> int:
+    if config.get("original_max_position_embeddings") is None:
+        raise ValueError(f"{rope_type} rope needs original_max_position_embeddings (or max_position_embeddings)")
+    return config["original_max_position_embeddings"]
+
+
+def _yarn_from_config(dims, base, traditional, config, max_position_embeddings) -> YarnRoPE:
+    mscale, mscale_all_dim = config.get("mscale"), config.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):  # transformers: the ratio only when both are set
+        mscale, mscale_all_dim = 1.0, 0.0
+    return YarnRoPE(
+        dims, traditional, max_position_embeddings, base, config.get("factor"),
+        _original_context(config, "yarn"), config.get("beta_fast") or 32, config.get("beta_slow") or 1,
+        mscale, mscale_all_dim, attention_factor=config.get("attention_factor"), truncate=config.get("truncate", True),
+    )
+
+
+def _longrope_from_config(dims, base, traditional, config, max_position_embeddings) -> SuScaledRoPE:
+    original = _original_context(config, "longrope")
+    mscale = config.get("attention_factor")
+    if mscale is None and config.get("factor") is not None:
+        mscale = longrope_attention_factor(config["factor"], original)
+    return SuScaledRoPE(
+        dims, base, max_position_embeddings or original, original, config["short_factor"], config["long_factor"],
+        config.get("short_mscale", mscale), config.get("long_mscale", mscale), traditional=traditional,
     )
