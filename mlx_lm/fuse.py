@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .cli_args import HelpFormatter
-from .tuner.lora import DoRALinear, LoRALinear
+from .tuner.lora import LoRALinear, LoRASwitchLinear
 from .utils import dequantize_model, get_model_path, load_adapters, load_model, load_tokenizer, save
 
 QUANTIZATION_KEYS = ("quantization", "quantization_config")
@@ -28,7 +28,7 @@ QUANTIZATION_KEYS = ("quantization", "quantization_config")
 def fuse_adapters(model: nn.Module) -> List[str]:
     """Replace every adapter layer of `model` by its fused linear layer, in place;
     returns the paths of the layers fused."""
-    fused = [(path, m.fuse()) for path, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
+    fused = [(path, m.fuse()) for path, m in model.named_modules() if isinstance(m, (LoRALinear, LoRASwitchLinear))]
     if fused:
         model.update_modules(tree_unflatten(fused))
     return [path for path, _ in fused]

@@ -211,3 +211,52 @@ def test_checkpoints_needing_their_own_model_code_are_refused(llama_dir, tmp_pat
     (directory / "config.json").write_text(json.dumps({**config, "model_file": "modeling.py"}))
     with pytest.raises(ValueError, match="model_file.*never runs"):
         load(str(directory), trust_remote_code=True)
+
+
+def random_lora(params, paths, rank, rng):
+    """Adapter tensors for the (switch) linear layers `paths`: lora_a, lora_b of
+    upstream's shapes, (in, r) and (r, out), experts (E, r, in) and (E, out, r)."""
+    tensors = {}
+    for path in paths:
+        w = params[f"{path}.weight"]
+        shapes = [(w.shape[1], rank), (rank, w.shape[0])] if w.ndim == 2 else [(w.shape[0], rank, w.shape[2]), (w.shape[0], w.shape[1], rank)]
+        for name, shape in zip(("lora_a", "lora_b"), shapes):
+            tensors[f"{path}.{name}"] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    return tensors
+
+
+def merge_lora(params, tensors, scale):
+    """numpy reference: W + scale (a b)^T, experts W[e] + scale b[e] a[e]."""
+    merged = dict(params)
+    for name in (n for n in tensors if n.endswith(".lora_a")):
+        path = name[: -len(".lora_a")]
+        a, b = tensors[name], tensors[f"{path}.lora_b"]
+        update = (a @ b).T if a.ndim == 2 else b @ a
+        merged[f"{path}.weight"] = (params[f"{path}.weight"] + scale * update).astype(np.float32)
+    return merged
+
+
+def test_lora_on_a_hybrid_moe_model_including_its_experts(tmp_path):
+    """qwen3_next (GatedDeltaNet + attention, MoE): the default keys adapt every linear
+    and expert layer of the last two blocks; the reference merges them in numpy."""
+    base_dir = write_checkpoint(tmp_path / "base", TINY_CONFIGS["qwen3_next"], seed=2)
+    model, _ = load_model(base_dir)
+    params = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    paths = [p for p, m in model.named_modules() if p.startswith(("model.layers.2.", "model.layers.3."))
+             and type(m).__name__ in ("Linear", "SwitchLinear")]
+    assert any(p.endswith("switch_mlp.up_proj") for p in paths) and any("linear_attn" in p for p in paths)
+    tensors = random_lora(params, paths, 2, np.random.default_rng(1))
+    directory = tmp_path / "adapters"
+    directory.mkdir()
+    config = {"num_layers": 2, "lora_parameters": {"rank": 2, "scale": 0.5, "dropout": 0.0}}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(directory / "adapters.safetensors"), {k: mx.array(v) for k, v in tensors.items()})
+
+    adapted, _ = load(str(base_dir), adapter_path=str(directory))
+    reference, _ = load_model(base_dir)
+    reference.load_weights([(k, mx.array(v)) for k, v in merge_lora(params, tensors, 0.5).items()])
+    assert relative_error(adapted(TOKENS), reference(TOKENS)) < 1e-5
+    assert relative_error(model(TOKENS), reference(TOKENS)) > 1e-3
+    _rewrite_config(directory, fine_tune_type="dora")
+    with pytest.raises(ValueError, match=r"dora on model\.layers\.\d\.mlp\.switch_mlp\.\w+ \(SwitchLinear\)"):
+        load_adapters(load_model(base_dir)[0], directory)

@@ -2,6 +2,7 @@
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -12,7 +13,7 @@ from mlx_lm.convert import convert
 from mlx_lm.fuse import fuse, setup_arg_parser
 from mlx_lm.tuner import LoRALinear
 from mlx_lm.utils import load, quantized_layers
-from test_adapters import TOKENS, base_weights, relative_error, write_adapters
+from test_adapters import TOKENS, base_weights, random_lora, relative_error, write_adapters
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,20 @@ def test_fuse_cli_flags_and_errors(llama_dir, tmp_path):
     with pytest.raises(SystemExit, match="no adapter_config.json"):
         cli.main(["fuse", "--model", str(llama_dir), "--adapter-path", str(tmp_path), "--save-path", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_fusing_expert_adapters(tmp_path):
+    base_dir = write_checkpoint(tmp_path / "base", TINY_CONFIGS["qwen3_next"], seed=4)
+    model, _ = load(str(base_dir))
+    params = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    paths = [p for p, m in model.named_modules() if p.startswith("model.layers.3.") and type(m).__name__ in ("Linear", "SwitchLinear")]
+    directory = tmp_path / "adapters"
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(json.dumps({"num_layers": 1, "lora_parameters": {"rank": 3, "scale": 1.5}}))
+    tensors = random_lora(params, paths, 3, np.random.default_rng(2))
+    mx.save_safetensors(str(directory / "adapters.safetensors"), {k: mx.array(v) for k, v in tensors.items()})
+    fuse(str(base_dir), directory, tmp_path / "fused")
+    adapted, _ = load(str(base_dir), adapter_path=str(directory))
+    fused, _ = load(str(tmp_path / "fused"))
+    assert relative_error(fused(TOKENS), adapted(TOKENS)) < 1e-5
+    assert relative_error(model(TOKENS), adapted(TOKENS)) > 1e-3

@@ -2,7 +2,7 @@
 directories (`utils.load_adapters`) and the adapter layers themselves (`lora`).
 Training lives upstream (`mlx_lm.lora`); this package only runs and fuses adapters."""
 
-from .lora import DoRALinear, LoRALinear
+from .lora import DoRALinear, LoRALinear, LoRASwitchLinear
 from .utils import load_adapters
 
-__all__ = ["DoRALinear", "LoRALinear", "load_adapters"]
+__all__ = ["DoRALinear", "LoRALinear", "LoRASwitchLinear", "load_adapters"]

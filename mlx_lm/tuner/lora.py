@@ -20,20 +20,23 @@ from typing import Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.switch_layers import QuantizedSwitchLinear, SwitchLinear, gather_mm
+
 BaseLinear = Union[nn.Linear, nn.QuantizedLinear]
+BaseSwitchLinear = Union[SwitchLinear, QuantizedSwitchLinear]
 
 
-def linear_dims(linear: BaseLinear) -> Tuple[int, int]:
-    """(input_dims, output_dims) of a float or quantized linear layer."""
-    output_dims, packed = linear.weight.shape
-    if isinstance(linear, nn.QuantizedLinear):
+def linear_dims(linear: Union[BaseLinear, BaseSwitchLinear]) -> Tuple[int, int]:
+    """(input_dims, output_dims) of a float or quantized (switch) linear layer."""
+    output_dims, packed = linear.weight.shape[-2:]
+    if isinstance(linear, (nn.QuantizedLinear, QuantizedSwitchLinear)):
         return packed * 32 // linear.bits, output_dims
     return packed, output_dims
 
 
-def dense_weight(linear: BaseLinear) -> mx.array:
-    """The (out, in) weight of a linear layer, dequantized if it is quantized."""
-    if isinstance(linear, nn.QuantizedLinear):
+def dense_weight(linear: Union[BaseLinear, BaseSwitchLinear]) -> mx.array:
+    """The ([E,] out, in) weight of a (switch) linear layer, dequantized if quantized."""
+    if isinstance(linear, (nn.QuantizedLinear, QuantizedSwitchLinear)):
         return mx.dequantize(
             linear.weight, linear.scales, linear.get("biases"), linear.group_size, linear.bits, mode=linear.mode
         )
@@ -106,4 +109,47 @@ class DoRALinear(LoRALinear):
         return y
 
 
-ADAPTER_CLASSES = {"lora": LoRALinear, "dora": DoRALinear}
+class LoRASwitchLinear(nn.Module):
+    """E stacked (expert) linear layers, each with its own low-rank update: for the
+    expert e a token is routed to, + scale * (x @ lora_a[e]^T) @ lora_b[e]^T.
+    lora_a (E, r, in), lora_b (E, out, r), upstream's layout."""
+
+    def __init__(self, linear: BaseSwitchLinear, r: int, scale: float):
+        super().__init__()
+        num_experts = linear.weight.shape[0]
+        input_dims, output_dims = linear_dims(linear)
+        self.linear = linear
+        self.scale = scale
+        self.lora_a = mx.zeros((num_experts, r, input_dims))
+        self.lora_b = mx.zeros((num_experts, output_dims, r))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        z = gather_mm(x, self.lora_a.swapaxes(-1, -2).astype(x.dtype), indices, sorted_indices)  # (..., r)
+        z = gather_mm(z, self.lora_b.swapaxes(-1, -2).astype(x.dtype), indices, sorted_indices)
+        return self.linear(x, indices, sorted_indices) + self.scale * z
+
+    def adapted_weight(self) -> mx.array:
+        """(E, out, in): each expert's W + scale * lora_b @ lora_a."""
+        weight = dense_weight(self.linear)
+        return weight + (self.scale * (self.lora_b @ self.lora_a)).astype(weight.dtype)
+
+    def fuse(self) -> SwitchLinear:
+        """One float SwitchLinear computing the same function (see LoRALinear.fuse)."""
+        num_experts, output_dims, input_dims = self.lora_b.shape[0], self.lora_b.shape[1], self.lora_a.shape[2]
+        layer = SwitchLinear(input_dims, output_dims, num_experts, bias="bias" in self.linear)
+        layer.weight = self.adapted_weight()
+        if "bias" in self.linear:
+            layer.bias = self.linear.bias
+        return layer
+
+
+def adapter_for(layer: nn.Module, fine_tune_type: str, r: int, scale: float, path: str) -> nn.Module:
+    """The adapter layer wrapping `layer` (at `path`) for "lora" or "dora"."""
+    if isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
+        return (DoRALinear if fine_tune_type == "dora" else LoRALinear)(layer, r, scale)
+    if isinstance(layer, (SwitchLinear, QuantizedSwitchLinear)) and fine_tune_type == "lora":
+        return LoRASwitchLinear(layer, r, scale)
+    raise ValueError(
+        f"{fine_tune_type} on {path} ({type(layer).__name__}) is not supported: adapters load on linear "
+        "layers (LoRA and DoRA) and expert layers (LoRA only)"
+    )

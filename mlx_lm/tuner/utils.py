@@ -20,15 +20,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-from .lora import ADAPTER_CLASSES
+from .lora import adapter_for
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapters.safetensors"
 FINE_TUNE_TYPES = ("lora", "dora", "full")
 # What upstream's trainer puts an adapter on by default (the layer kinds it can wrap).
 _DEFAULT_TARGETS = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear, nn.Embedding, nn.QuantizedEmbedding)
-# What this package can wrap: float and quantized linear layers.
-_SUPPORTED_TARGETS = (nn.Linear, nn.QuantizedLinear)
 
 
 @dataclass
@@ -106,12 +104,6 @@ def adapter_targets(model: nn.Module, config: AdapterConfig) -> Dict[str, nn.Mod
         raise ValueError(f"lora_parameters.keys {unknown} name no module of the model (nor of its blocks)")
     if not targets:
         raise ValueError(f"The adapter keys {sorted(keys)} match no module in the model's last {len(blocks)} blocks")
-    unsupported = [f"{p} ({type(m).__name__})" for p, m in targets.items() if not isinstance(m, _SUPPORTED_TARGETS)]
-    if unsupported:
-        raise ValueError(
-            f"Adapters on {', '.join(unsupported[:5])} are not supported: this package loads LoRA/DoRA "
-            "on linear layers (nn.Linear, nn.QuantizedLinear) only"
-        )
     return targets
 
 
@@ -156,8 +148,7 @@ def load_adapters(model: nn.Module, adapter_path: Union[str, Path]) -> nn.Module
         _check_adapter_weights(model, weights, [], weights_file)
     else:
         targets = adapter_targets(model, config)
-        adapter_class = ADAPTER_CLASSES[config.fine_tune_type]
-        wrapped = {path: adapter_class(m, config.rank, config.scale) for path, m in targets.items()}
+        wrapped = {p: adapter_for(m, config.fine_tune_type, config.rank, config.scale, p) for p, m in targets.items()}
         names = ("lora_a", "lora_b", "m") if config.fine_tune_type == "dora" else ("lora_a", "lora_b")
         required = [f"{path}.{name}" for path in wrapped for name in names]
         originals = [(path, m) for path, m in targets.items()]
