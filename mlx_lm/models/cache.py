@@ -474,8 +474,8 @@ class RotatingKVCache(_BaseCache):
         slots = mx.arange(min(self.offset + 1, self.max_size))
         idx = (self.keep if self._idx == self.max_size else self._idx) + 1  # after the write
         ring = self.max_size - self.keep
-        # The slot before idx holds the new token (position offset); ring slots go back
-        # in time from it. Slot positions only matter when full, where this is exact.
+        # The slot before idx holds the new token (position offset) and the ring slots
+        # go back in time from it, wrapped or not (before the wrap slot s holds s).
         positions = mx.where(slots < self.keep, slots, self.offset - (idx - 1 - slots) % ring)
         visible = (self.offset - positions < window) | (positions < self.keep)
         return visible[None]
