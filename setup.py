@@ -27,7 +27,7 @@ setup(
     long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
-    packages=["mlx_lm", "mlx_lm.models"],
+    packages=["mlx_lm", "mlx_lm.models", "mlx_lm.tuner"],
     python_requires=">=3.9",
     install_requires=requirements,
     extras_require={
@@ -43,6 +43,7 @@ setup(
             "mlx_lm.convert = mlx_lm.convert:main",
             "mlx_lm.cache_prompt = mlx_lm.cache_prompt:main",
             "mlx_lm.server = mlx_lm.server:main",
+            "mlx_lm.fuse = mlx_lm.fuse:main",
         ]
     },
 )

@@ -426,6 +426,37 @@ def _logit_bias_processor(logit_bias: Dict[int, float]) -> LogitsProcessor:
     return partial(apply_logit_bias, token_ids=token_ids, bias=bias)
 
 
+def _check_penalty(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def make_repetition_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
+    """``fn(tokens, logits)`` applying :func:`apply_repetition_penalty` over the last
+    ``context_size`` tokens; ``penalty`` >= 0 (1 is neutral, > 1 discourages)."""
+    _check_penalty("repetition_penalty", penalty)
+    if penalty < 0:
+        raise ValueError(f"repetition_penalty must be >= 0 (1 is neutral), got {penalty}")
+    _check_context_size("repetition_context_size", context_size)
+    return partial(apply_repetition_penalty, penalty=penalty, context_size=context_size)
+
+
+def make_presence_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
+    """``fn(tokens, logits)`` subtracting ``penalty`` once from every token present in
+    the last ``context_size`` tokens (negative values encourage them)."""
+    _check_penalty("presence_penalty", penalty)
+    _check_context_size("presence_context_size", context_size)
+    return partial(apply_presence_penalty, penalty=penalty, context_size=context_size)
+
+
+def make_frequency_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
+    """``fn(tokens, logits)`` subtracting ``penalty`` per occurrence of each token in
+    the last ``context_size`` tokens (negative values encourage them)."""
+    _check_penalty("frequency_penalty", penalty)
+    _check_context_size("frequency_context_size", context_size)
+    return partial(apply_frequency_penalty, penalty=penalty, context_size=context_size)
+
+
 def make_logits_processors(
     logit_bias: Optional[Dict[int, float]] = None,
     repetition_penalty: Optional[float] = None,
@@ -444,6 +475,7 @@ def make_logits_processors(
         ValueError: ``repetition_penalty < 0``, a context size that is not a
             positive int, or a ``logit_bias`` key that is not a token id.
     """
+    # Context sizes are checked even for a skipped penalty: a bad value is a bug anyway.
     _check_context_size("repetition_context_size", repetition_context_size)
     _check_context_size("presence_context_size", presence_context_size)
     _check_context_size("frequency_context_size", frequency_context_size)
@@ -452,31 +484,9 @@ def make_logits_processors(
     if logit_bias:
         processors.append(_logit_bias_processor(logit_bias))
     if repetition_penalty:
-        if repetition_penalty < 0:
-            raise ValueError(
-                f"repetition_penalty must be > 0 (1 is neutral), got {repetition_penalty}"
-            )
-        processors.append(
-            partial(
-                apply_repetition_penalty,
-                penalty=repetition_penalty,
-                context_size=repetition_context_size,
-            )
-        )
+        processors.append(make_repetition_penalty(repetition_penalty, repetition_context_size))
     if presence_penalty:
-        processors.append(
-            partial(
-                apply_presence_penalty,
-                penalty=presence_penalty,
-                context_size=presence_context_size,
-            )
-        )
+        processors.append(make_presence_penalty(presence_penalty, presence_context_size))
     if frequency_penalty:
-        processors.append(
-            partial(
-                apply_frequency_penalty,
-                penalty=frequency_penalty,
-                context_size=frequency_context_size,
-            )
-        )
+        processors.append(make_frequency_penalty(frequency_penalty, frequency_context_size))
     return processors

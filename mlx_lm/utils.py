@@ -3,6 +3,9 @@
 import glob
 import importlib
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
@@ -13,6 +16,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import tokenizer_utils
 from .tokenizer_utils import TokenizerWrapper
+from .tuner.utils import load_adapters  # noqa: F401  (upstream exports it here)
 
 # Checkpoint model_type -> the module of ours that implements it.
 MODEL_REMAPPING = {
@@ -34,8 +38,9 @@ HUB_ALLOW_PATTERNS = [
 ]
 
 
-def get_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
-    """A local directory as is, else a hub snapshot (downloaded unless cached)."""
+def get_model_path(path_or_hf_repo: str, revision: Optional[str] = None, *, with_code: bool = False) -> Path:
+    """A local directory as is, else a hub snapshot (downloaded unless cached).
+    `with_code` also fetches the repo's *.py files (a tokenizer's remote code)."""
     model_path = Path(path_or_hf_repo)
     if model_path.exists():
         if not model_path.is_dir():
@@ -46,7 +51,9 @@ def get_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> Path
 
     try:
         return Path(
-            snapshot_download(path_or_hf_repo, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+            snapshot_download(
+                path_or_hf_repo, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS + ["*.py"] * with_code
+            )
         )
     except HFValidationError:
         raise FileNotFoundError(
@@ -425,13 +432,20 @@ def parameter_dtypes(model: nn.Module) -> str:
 # ---------------------------------------------------------------------------
 # Saving in the MLX layout.
 
-MAX_SHARD_BYTES = 5 << 30  # 5 GB, as upstream
+MAX_FILE_SIZE_GB = 5  # shard size, as upstream
+MAX_SHARD_BYTES = MAX_FILE_SIZE_GB << 30
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def make_shards(weights: Dict[str, mx.array], max_shard_bytes: int = MAX_SHARD_BYTES) -> List[Dict[str, mx.array]]:
-    """Split weights, in order, into shards of at most `max_shard_bytes` (a single
+def make_shards(weights: Dict[str, mx.array], max_file_size_gb: float = MAX_FILE_SIZE_GB) -> List[Dict[str, mx.array]]:
+    """Split weights, in order, into shards of at most `max_file_size_gb` GiB (a single
     larger tensor gets a shard of its own)."""
+    if isinstance(max_file_size_gb, bool) or not isinstance(max_file_size_gb, (int, float)) or max_file_size_gb <= 0:
+        raise ValueError(f"max_file_size_gb must be a positive number of GiB, got {max_file_size_gb!r}")
+    return _shards_of_bytes(weights, int(max_file_size_gb * (1 << 30)))
+
+
+def _shards_of_bytes(weights: Dict[str, mx.array], max_shard_bytes: int) -> List[Dict[str, mx.array]]:
     shards: List[Dict[str, mx.array]] = [{}]
     size = 0
     for name, tensor in weights.items():
@@ -458,7 +472,7 @@ def save_model(
     weights = model_or_weights
     if isinstance(model_or_weights, nn.Module):
         weights = dict(tree_flatten(model_or_weights.parameters()))
-    shards = make_shards(weights, max_shard_bytes)
+    shards = _shards_of_bytes(weights, max_shard_bytes)
     total = sum(t.nbytes for t in weights.values())
     done = 0
     weight_map = {}
@@ -481,6 +495,50 @@ def save_config(config: Dict[str, Any], config_path: Union[str, Path]) -> None:
     Path(config_path).write_text(json.dumps(dict(sorted(config.items())), indent=4))
 
 
+# Copied as they are by `save`: what generation needs beyond config and tokenizer.
+EXTRA_FILES = ["generation_config.json"]
+
+
+def save(
+    dst_path: Union[str, Path],
+    src_path: Path,
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    config: Dict[str, Any],
+) -> None:
+    """Save a complete model directory: weights (save_model), config.json, the
+    tokenizer files and src_path's EXTRA_FILES. `dst_path` must not exist; it is
+    written under a temporary name and renamed when complete, so a failure leaves
+    nothing behind."""
+    dst_path = Path(dst_path)
+    if dst_path.exists():
+        raise ValueError(f"Cannot save to {dst_path}: it already exists; choose another path or remove it")
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=dst_path.parent, prefix=f".{dst_path.name}.partial-"))
+    try:
+        save_model(staging, model)
+        save_config(config, staging / "config.json")
+        tokenizer.save_pretrained(str(staging))
+        for name in EXTRA_FILES:
+            if (Path(src_path) / name).exists():
+                shutil.copyfile(Path(src_path) / name, staging / name)
+        os.rename(staging, dst_path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _check_no_model_code(config: Dict[str, Any], model_path: Path) -> None:
+    """Upstream runs a checkpoint's own model code (config "model_file") given
+    trust_remote_code; this package only builds the families it implements."""
+    if "model_file" in config:
+        raise ValueError(
+            f"{model_path} asks for its own model code (config.json \"model_file\": "
+            f"{config['model_file']!r}), which this package never runs; trust_remote_code only "
+            "applies to the tokenizer here"
+        )
+
+
 def load_model(
     model_path: Path,
     lazy: bool = False,
@@ -497,6 +555,7 @@ def load_model(
     `compute_dtype` for what `load` picks)."""
     config = load_config(model_path)
     config.update(model_config or {})
+    _check_no_model_code(config, model_path)
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = load_weights_files(model_path)
@@ -513,24 +572,50 @@ def load_model(
     return model, config
 
 
+def load_tokenizer(
+    model_path: Path,
+    tokenizer_config_extra: Optional[Dict[str, Any]] = None,
+    eos_token_ids: Union[List[int], int, None] = None,
+) -> TokenizerWrapper:
+    """The wrapped tokenizer of `model_path`; `tokenizer_config_extra` goes to
+    `AutoTokenizer.from_pretrained` (e.g. {"trust_remote_code": True}), and
+    `eos_token_ids` (default: the tokenizer's EOS) end generation."""
+    return tokenizer_utils.load(model_path, tokenizer_config_extra, eos_token_ids=eos_token_ids)
+
+
 def load(
     path_or_hf_repo: str,
     tokenizer_config: Optional[Dict[str, Any]] = None,
     model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[str] = None,
     lazy: bool = False,
     return_config: bool = False,
     revision: Optional[str] = None,
+    trust_remote_code: bool = False,
+    *,
     dtype: Optional[str] = None,
 ) -> Union[Tuple[nn.Module, TokenizerWrapper], Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]]:
     """Load (model, tokenizer[, config]) from a local directory or a hub repo id.
-    `dtype` (None/"auto", "float32", "float16", "bfloat16") is the compute dtype of the
-    floating point parameters; auto is float32 on the CPU backend (`compute_dtype`)."""
+
+    adapter_path: a local directory of fine-tuned adapters (`tuner.load_adapters`).
+    trust_remote_code: let the tokenizer run the repo's own code (transformers'
+    option); a checkpoint that needs its own *model* code is refused either way.
+    dtype (keyword only; None/"auto", "float32", "float16", "bfloat16"): the compute
+    dtype of the floating point parameters; auto is float32 on the CPU backend
+    (`compute_dtype`)."""
     cast_to, _ = compute_dtype(dtype)
-    model_path = get_model_path(path_or_hf_repo, revision=revision)
-    model, config = load_model(model_path, lazy=lazy, model_config=model_config, dtype=cast_to)
-    tokenizer = tokenizer_utils.load(
-        model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
-    )
+    model_path = get_model_path(path_or_hf_repo, revision=revision, with_code=trust_remote_code)
+    model, config = load_model(model_path, lazy=True, model_config=model_config, dtype=cast_to)
+    if adapter_path is not None:
+        load_adapters(model, adapter_path)
+        if cast_to is not None:
+            cast_floats(model, cast_to)
+    if not lazy:
+        mx.eval(model.parameters())
+    tokenizer_config = dict(tokenizer_config or {})
+    if trust_remote_code:
+        tokenizer_config["trust_remote_code"] = True
+    tokenizer = load_tokenizer(model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     if return_config:
         return model, tokenizer, config
     return model, tokenizer

@@ -2,12 +2,18 @@
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from . import masks
 from .cache import QuantizedKVCache
-from .masks import causal_mask_for_positions, create_causal_mask  # noqa: F401  (upstream exports them here)
+from .masks import causal_mask_for_positions  # noqa: F401  (re-exported for the models)
+
+# What attention takes as a mask: None (attend to everything), "causal" (the plain
+# causal mask, aligned to the last key, which MLX's fused attention builds itself), or
+# a boolean (True = attend) or additive array broadcastable to (B, H, N, S).
+Mask = Union[None, str, mx.array]
 
 
 @dataclass
@@ -40,19 +46,54 @@ def check_head_grouping(num_attention_heads: int, num_key_value_heads: int) -> N
         )
 
 
-def create_attention_mask(
-    h: mx.array, cache=None, window_size: Optional[int] = None
-) -> Optional[mx.array]:
+def create_causal_mask(
+    N: int,
+    offset: int = 0,
+    window_size: Optional[int] = None,
+    right_padding: Optional[mx.array] = None,
+    left_padding: Optional[mx.array] = None,
+) -> mx.array:
+    """Boolean causal mask of N queries at positions offset.. over offset + N keys.
+
+    (N, offset + N); with per-row padding counts (B,) it is (B, 1, N, offset + N):
+    `left_padding[b]` keys at the start of row b and `right_padding[b]` keys at the end
+    of its N new tokens are padding, hidden from every query.
+    """
+    mask = masks.create_causal_mask(N, offset, window_size)
+    if left_padding is None and right_padding is None:
+        return mask
+    key_pos = mx.arange(offset + N)[None]  # (1, S)
+    valid = mx.ones(key_pos.shape, dtype=mx.bool_)
+    if left_padding is not None:
+        valid = valid & (key_pos >= left_padding[:, None])
+    if right_padding is not None:
+        valid = valid & (key_pos < (offset + N - right_padding)[:, None])
+    return mask[None, None] & valid[:, None, None, :]  # (B, 1, N, S)
+
+
+def create_attention_mask(h: mx.array, cache=None, window_size: Optional[int] = None, return_array: bool = False) -> Mask:
     """Mask for a (B, N, D) input given the cache it will be appended to.
 
-    None when a single query may see every cached key (the common decode step).
+    None when every query may see every key (a single query, the common decode step);
+    "causal" when the plain causal mask is exact, unless `return_array` asks for the
+    boolean array; else the boolean array (a window cuts in, a ring buffer's layout).
     """
     num_queries = h.shape[1]
     if cache is not None:
-        return cache.make_mask(num_queries, window_size=window_size)
+        return cache.make_mask(num_queries, window_size=window_size, return_array=return_array)
     if num_queries == 1:
         return None
-    return create_causal_mask(num_queries, window_size=window_size)
+    if return_array or (window_size is not None and num_queries > window_size):
+        return create_causal_mask(num_queries, window_size=window_size)
+    return "causal"
+
+
+def create_ssm_mask(h: mx.array, cache=None) -> Optional[mx.array]:
+    """Validity mask (B, N) of a recurrent layer's N inputs, from its cache; None when
+    every input is a real token (always, unbatched: no padding to skip)."""
+    if cache is None:
+        return None
+    return cache.make_mask(h.shape[1])
 
 
 def scaled_dot_product_attention(
@@ -61,7 +102,7 @@ def scaled_dot_product_attention(
     values: mx.array,
     cache,
     scale: float,
-    mask: Optional[mx.array],
+    mask: Mask,
     sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Attention over (B, H, N, D) queries and (B, H_kv, S, D) keys/values -> (B, H, N, D).
@@ -72,7 +113,7 @@ def scaled_dot_product_attention(
     """
     if isinstance(cache, QuantizedKVCache):
         return quantized_scaled_dot_product_attention(
-            queries, keys, values, scale, mask, cache.group_size, cache.bits, sinks=sinks
+            queries, keys, values, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits, sinks=sinks
         )
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -84,16 +125,17 @@ def quantized_scaled_dot_product_attention(
     q_keys: Tuple[mx.array, mx.array, mx.array],
     q_values: Tuple[mx.array, mx.array, mx.array],
     scale: float,
-    mask: Optional[mx.array],
-    group_size: int,
-    bits: int,
+    mask: Mask,
+    group_size: int = 64,
+    bits: int = 8,
     sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Attention of (B, H, N, D) queries over affine-quantized keys/values -> (B, H, N, D).
 
     q_keys, q_values: (packed (B, H_kv, S, D*bits/32), scales, biases (B, H_kv, S,
     D/group_size)). Query heads are grouped per KV head so the quantized tensors are
-    never repeated or dequantized; mask is boolean (True = attend) or additive.
+    never repeated or dequantized; mask is None, "causal", boolean (True = attend) or
+    additive.
     """
     B, H, N, D = queries.shape
     H_kv = q_keys[0].shape[1]
@@ -102,6 +144,10 @@ def quantized_scaled_dot_product_attention(
     q_keys = tuple(mx.expand_dims(t, 2) for t in q_keys)  # (B, H_kv, 1, S, .)
     q_values = tuple(mx.expand_dims(t, 2) for t in q_values)
     scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f'mask must be None, "causal" or an array, got {mask!r}')
+        mask = masks.create_causal_mask(N, scores.shape[-1] - N)  # aligned to the last key
     if mask is not None:  # (N, S) or (B, 1 or H, N, S)
         if mask.ndim == 4:
             mask = mask.reshape(mask.shape[0], -1, mask.shape[1] // H_kv or 1, *mask.shape[2:])

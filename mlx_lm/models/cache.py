@@ -134,9 +134,15 @@ class _AppendOnlyCache(_BaseCache):
 
     offset: int
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
+        """The causal mask of num_queries new tokens over every token held; None when
+        each query sees every key, "causal" (unless `return_array`) when the plain
+        causal mask is exact, else the (N, offset + N) boolean array."""
+        sees_all = window_size is None or self.offset + num_queries <= window_size
         if num_queries == 1 and (window_size is None or self.offset < window_size):
             return None
+        if sees_all and not return_array:
+            return "causal"
         return create_causal_mask(num_queries, self.offset, window_size)
 
     def size(self) -> int:
@@ -440,17 +446,39 @@ class RotatingKVCache(_BaseCache):
             return rows
         return mx.concatenate([rows[..., : self.keep, :], rows[..., -self.window :, :]], axis=2)
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
-        if window_size is not None and window_size != self.window:
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
+        """The mask of num_queries new tokens over what update_and_fetch returns: each
+        query sees the sinks and the last `window_size` tokens (default: the whole
+        window held). A window shorter than the one held masks the rest; a longer one
+        would need evicted tokens (ValueError). None when nothing needs masking,
+        "causal" (unless `return_array`) when the plain causal mask is exact."""
+        window = self.window if window_size is None else window_size
+        if not 0 < window <= self.window:
             raise ValueError(
                 f"RotatingKVCache(max_size={self.max_size}, keep={self.keep}) holds a window of "
                 f"{self.window} tokens; it cannot mask for window_size={window_size}"
             )
         if num_queries == 1:
-            return None
+            return self._decode_mask(window)
+        if not return_array and not self.wrapped() and self.offset + num_queries <= window + self.keep:
+            return "causal"
         query_pos = mx.arange(self.offset, self.offset + num_queries)
         key_pos = mx.concatenate([self._held_positions(), query_pos])
-        return causal_mask_for_positions(query_pos[:, None], key_pos[None], self.window, self.keep)
+        return causal_mask_for_positions(query_pos[:, None], key_pos[None], window, self.keep)
+
+    def _decode_mask(self, window: int) -> Optional[mx.array]:
+        """The (1, n) mask of one new token over the n ring slots the in-place write
+        returns (None when the window held is the window asked for)."""
+        if window == self.window or self.offset < window + self.keep:
+            return None
+        slots = mx.arange(min(self.offset + 1, self.max_size))
+        idx = (self.keep if self._idx == self.max_size else self._idx) + 1  # after the write
+        ring = self.max_size - self.keep
+        # The slot before idx holds the new token (position offset) and the ring slots
+        # go back in time from it, wrapped or not (before the wrap slot s holds s).
+        positions = mx.where(slots < self.keep, slots, self.offset - (idx - 1 - slots) % ring)
+        visible = (self.offset - positions < window) | (positions < self.keep)
+        return visible[None]
 
     @property
     def state(self):
@@ -565,7 +593,7 @@ class ArraysCache(_BaseCache):
     def __setitem__(self, index: int, value: Optional[mx.array]):
         self.cache[index] = value
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
         return None
 
     def size(self) -> int:
@@ -618,15 +646,17 @@ class CacheList(_BaseCache):
     def __getitem__(self, index: int) -> _BaseCache:
         return self.caches[index]
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None):
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
         """The mask of the children that need one (a recurrent child needs none). The
         children serve one layer and so hold the same tokens: children that mask must
-        give the same shape, else the layer should ask the child its attention uses."""
-        masks = [(type(c).__name__, c.make_mask(num_queries, window_size=window_size)) for c in self.caches]
-        masks = [(name, mask) for name, mask in masks if mask is not None]
+        give the same shape, else the layer should ask the child its attention uses.
+        "causal" only if every masking child answers it."""
+        masks = self._child_masks(num_queries, window_size, return_array)
+        if masks and not return_array and any(not isinstance(mask, str) for _, mask in masks):
+            masks = self._child_masks(num_queries, window_size, True)
         if not masks:
             return None
-        shapes = {tuple(mask.shape) for _, mask in masks}
+        shapes = {mask if isinstance(mask, str) else tuple(mask.shape) for _, mask in masks}
         if len(shapes) > 1:
             found = ", ".join(f"{tuple(mask.shape)} from {name}" for name, mask in masks)
             raise ValueError(
@@ -634,6 +664,10 @@ class CacheList(_BaseCache):
                 "on the child the attention reads (cache_list[i].make_mask)"
             )
         return masks[0][1]
+
+    def _child_masks(self, num_queries: int, window_size: Optional[int], return_array: bool):
+        masks = [(type(c).__name__, c.make_mask(num_queries, window_size, return_array)) for c in self.caches]
+        return [(name, mask) for name, mask in masks if mask is not None]
 
     def size(self) -> int:
         return max((c.size() for c in self.caches), default=0)
@@ -873,8 +907,9 @@ def _from_file(class_name: str, state, meta_state) -> _BaseCache:
         raise ValueError(f"a {class_name} state must be a list of arrays, got one array")
     if cls is CacheList:
         class_names, metas = meta_state
-        if not len(class_names) == len(metas) == len(state):
+        if not len(class_names) == len(metas) >= len(state):
             raise ValueError(f"CacheList of {len(class_names)} classes, {len(metas)} metas, {len(state)} states")
+        state = state + [[]] * (len(class_names) - len(state))  # trailing empty children wrote nothing
         return CacheList(*(_from_file(n, s, m) for n, s, m in zip(class_names, state, metas)))
     if cls is ArraysCache:
         if state and isinstance(state[0], list):  # ([arrays], left_padding, lengths)

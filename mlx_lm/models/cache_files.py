@@ -25,8 +25,14 @@ def _flatten(tree, prefix: str) -> dict:
     return {prefix: tree}
 
 
-def _unflatten(flat: dict):
-    """Inverse of _flatten below one prefix: {"": leaf} -> leaf, {"0.0": a, "1": b} -> [[a], b]."""
+def _unflatten(flat: dict, allow_gaps: bool = False):
+    """Inverse of _flatten below one prefix: {"": leaf} -> leaf, {"0.0": a, "1": b} -> [[a], b].
+
+    `allow_gaps` (tensor states): an empty list, the state of an empty cache, flattens
+    to no key at all, so a missing index is an empty list; trailing ones are lost and
+    the reader pads them back (a CacheList knows its number of children from its meta
+    state). Strings (class names, meta states) are never empty lists: a gap is an error.
+    """
     if "" in flat:
         if len(flat) > 1:
             raise ValueError(f"an entry is both a leaf and a list: {sorted(flat)}")
@@ -37,9 +43,10 @@ def _unflatten(flat: dict):
         if not head.isdigit():
             raise ValueError(f"key part {head!r} is not an index")
         children.setdefault(int(head), {})[rest] = value
-    if sorted(children) != list(range(len(children))):
+    if not allow_gaps and sorted(children) != list(range(len(children))):
         raise ValueError(f"indices {sorted(children)} are not 0..{len(children) - 1}")
-    return [_unflatten(children[i]) for i in range(len(children))]
+    size = max(children, default=-1) + 1
+    return [_unflatten(children[i], allow_gaps) if i in children else [] for i in range(size)]
 
 
 def write_cache_file(file_name: str, entries: Sequence[Tuple[str, Any, Any]], metadata: Dict[str, str]) -> None:
@@ -99,7 +106,7 @@ def read_cache_file(
     entries = []
     for i, (name, meta) in enumerate(zip(class_names, meta_states)):
         try:
-            entries.append(build_entry(name, _unflatten(per_layer[i]), meta))
+            entries.append(build_entry(name, _unflatten(per_layer[i], allow_gaps=True), meta))
         except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
             raise ValueError(f"Malformed prompt cache file {file_name}: entry {i} ({name!r}): {e}") from None
     return entries, by_section["1"]

@@ -11,7 +11,8 @@ gate g in (0, 1] and write strength beta in (0, 1):
 
 Value heads share key heads: value head h reads query/key head h // (Hv // Hk).
 
-Two pure-MLX paths sit behind `gated_delta_update`:
+Two pure-MLX paths sit behind `gated_delta_recurrence` (and upstream's entry point
+`gated_delta_update`, which takes the raw gate inputs):
 - `gated_delta_sequential`: the recurrence step by step (decode, and short windows such
   as speculative verify chunks). Each step reads the state once for S k and S q (one
   batched matmul) and rewrites it once (one fused update).
@@ -226,7 +227,7 @@ def _chunk_block(q, k, v, g, beta, state, chunk_size):
     return y, S.reshape(B, Hv, Dv, Dk)
 
 
-def gated_delta_update(
+def gated_delta_recurrence(
     q: mx.array,
     k: mx.array,
     v: mx.array,
@@ -249,6 +250,49 @@ def gated_delta_update(
     return y.astype(v.dtype), state
 
 
+def gated_delta_update(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: Optional[mx.array] = None,
+    dt_bias: Optional[mx.array] = None,
+    state: Optional[mx.array] = None,
+    mask: Optional[mx.array] = None,
+    use_kernel: bool = True,
+) -> Tuple[mx.array, mx.array]:
+    """Upstream mlx-lm's entry point: the recurrence from the layer's raw gate inputs.
+
+    q, k (B, T, Hk, Dk) normalised; v (B, T, Hv, Dv); a, b (B, T, Hv) with
+    g = compute_g(A_log, a, dt_bias) and beta = sigmoid(b); A_log, dt_bias (Hv,);
+    state (B, Hv, Dv, Dk), zeros in fp32 if None; mask (B, T) bool, False marking
+    padding steps, which leave the state unchanged and output 0. Returns y (B, T, Hv,
+    Dv) in v's dtype and the state in its own dtype. `use_kernel` picks this package's
+    fast path (`gated_delta_recurrence`: stepping or chunked by length); False runs the
+    plain step-by-step recurrence, the reference (there is no Metal kernel here).
+
+    TODO(#18): the fork's qwen3_next still calls this as (q, k, v, g, beta[, state]),
+    the older form, recognised by dt_bias missing; switch it to gated_delta_recurrence
+    and drop that form.
+    """
+    if dt_bias is None:
+        if (A_log is not None and A_log.ndim != 4) or mask is not None or not use_kernel:
+            raise ValueError("gated_delta_update needs A_log and dt_bias (Hv,) with raw gate inputs a and b")
+        return gated_delta_recurrence(q, k, v, a, b, A_log)
+    g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b.astype(mx.float32))  # (B, T, Hv)
+    if mask is not None:  # a padding step: g = 1 and beta = 0 keep the state as it is
+        g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
+    if use_kernel:
+        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)
+    else:
+        g, beta, fp32_state = _fp32_inputs(q, k, v, g, beta, state)
+        y, new_state = gated_delta_sequential(q, k, v, g, beta, fp32_state)
+    if mask is not None:
+        y = mx.where(mask[..., None, None], y, 0.0)
+    return y.astype(v.dtype), new_state if state is None else new_state.astype(state.dtype)
+
+
 def gated_delta_replay(
     q: mx.array,
     k: mx.array,
@@ -258,7 +302,7 @@ def gated_delta_replay(
     state: Optional[mx.array] = None,
 ) -> mx.array:
     """Only the state after T recorded steps from `state`: a speculative rollback
-    replaying the accepted prefix of a verify forward. Shapes as in gated_delta_update;
+    replaying the accepted prefix of a verify forward. Shapes as in gated_delta_recurrence;
     returns (B, Hv, Dv, Dk) fp32.
 
     Several steps run as one chunk of the next power of two, which reads and rewrites

@@ -1,0 +1,94 @@
+"""`mlx_lm.fuse`: fold fine-tuned adapters into the base weights and save the model.
+
+    mlx_lm.fuse --model <base> --adapter-path adapters --save-path fused_model [--dequantize]
+
+The saved model computes what the base with its adapters computes: every adapted layer
+becomes one float linear layer holding W + scale * (lora_a @ lora_b)^T (DoRA: rescaled
+per row). Unlike upstream, an adapted layer of a quantized base stays float instead of
+being requantized at the base's precision, which rounds most of a small update away
+(upstream issue #1172); the config's quantization block records it as float. With
+--dequantize the whole model is saved in float.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from .cli_args import HelpFormatter
+from .tuner.lora import LoRALinear, LoRASwitchLinear
+from .utils import dequantize_model, get_model_path, load_adapters, load_model, load_tokenizer, save
+
+QUANTIZATION_KEYS = ("quantization", "quantization_config")
+
+
+def fuse_adapters(model: nn.Module) -> List[str]:
+    """Replace every adapter layer of `model` by its fused linear layer, in place;
+    returns the paths of the layers fused."""
+    fused = [(path, m.fuse()) for path, m in model.named_modules() if isinstance(m, (LoRALinear, LoRASwitchLinear))]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return [path for path, _ in fused]
+
+
+def _record_float_layers(config: Dict[str, Any], paths: List[str]) -> Dict[str, Any]:
+    """The config with `paths` kept float (`false`) in its MLX quantization block(s)."""
+    config = dict(config)
+    for key in QUANTIZATION_KEYS:
+        block = config.get(key)
+        if isinstance(block, dict) and "quant_method" not in block:
+            config[key] = {**block, **{path: False for path in paths}}
+    return config
+
+
+def fuse(
+    model: str,
+    adapter_path: Union[str, Path] = "adapters",
+    save_path: Union[str, Path] = "fused_model",
+    dequantize: bool = False,
+    revision: Optional[str] = None,
+) -> None:
+    """Load `model` (a local directory or hub repo) with the adapters of
+    `adapter_path`, fuse them and save the result to `save_path` (which must not
+    exist). The checkpoint's dtypes are kept."""
+    if Path(save_path).exists():
+        raise ValueError(f"Cannot save to {save_path}: it already exists; choose another --save-path or remove it")
+    model_path = get_model_path(model, revision=revision)
+    base, config = load_model(model_path, lazy=True)
+    tokenizer = load_tokenizer(model_path)
+    load_adapters(base, adapter_path)
+    fused = fuse_adapters(base)
+    if dequantize:
+        dequantize_model(base)
+        config = {k: v for k, v in config.items() if k not in QUANTIZATION_KEYS}
+    else:
+        config = _record_float_layers(config, fused)
+    save(save_path, model_path, base, tokenizer, config)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx_lm.fuse", description="Fuse fine-tuned adapters into the base model", formatter_class=HelpFormatter
+    )
+    parser.add_argument("--model", default="mlx_model", help="Base model: local directory or Hugging Face repo id")
+    parser.add_argument("--adapter-path", default="adapters", help="Adapter directory (adapter_config.json, adapters.safetensors)")
+    parser.add_argument("--save-path", default="fused_model", help="Output directory (must not exist)")
+    # Upstream spelled it --de-quantize before renaming it --dequantize; both work.
+    parser.add_argument("--dequantize", "--de-quantize", action="store_true", help="Save the whole model in float")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        fuse(args.model, args.adapter_path, args.save_path, dequantize=args.dequantize)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"Error: {e}")
+    print(f"[INFO] Saved the fused model to {args.save_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Upstream mlx-lm's public names and signatures, each checked against a naive reference:
+sample_utils penalty makers, base.py masks and attention, gated_delta_update, CacheList
+files, RotatingKVCache masks for shorter windows, utils.make_shards."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lm.models.base import (
+    create_attention_mask,
+    create_causal_mask,
+    create_ssm_mask,
+    quantized_scaled_dot_product_attention,
+)
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    save_prompt_cache,
+)
+from mlx_lm.models.gated_delta import gated_delta_update
+from mlx_lm.sample_utils import (
+    make_frequency_penalty,
+    make_logits_processors,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
+from mlx_lm.utils import make_shards
+
+RNG = np.random.default_rng(0)
+
+
+def randn(*shape):
+    return mx.array(RNG.standard_normal(shape).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------
+# sample_utils
+
+
+def naive_penalties(tokens, logits, kind, penalty, context_size):
+    out = logits.copy()
+    recent = tokens[-context_size:]
+    for t in sorted(set(recent)):
+        if kind == "repetition":
+            out[:, t] = np.where(out[:, t] < 0, out[:, t] * penalty, out[:, t] / penalty)
+        elif kind == "presence":
+            out[:, t] -= penalty
+        else:
+            out[:, t] -= penalty * recent.count(t)
+    return out
+
+
+MAKERS = {"repetition": make_repetition_penalty, "presence": make_presence_penalty, "frequency": make_frequency_penalty}
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+@pytest.mark.parametrize("context_size", [3, 20])
+def test_penalty_makers_match_naive(kind, context_size):
+    tokens = [4, 1, 4, 7, 4, 2, 9, 1]
+    logits = np.array(RNG.standard_normal((2, 12)), dtype=np.float32)
+    processor = MAKERS[kind](1.5, context_size)
+    got = processor(mx.array(tokens), mx.array(logits))
+    np.testing.assert_allclose(np.array(got), naive_penalties(tokens, logits, kind, 1.5, context_size), rtol=1e-6)
+    assert MAKERS[kind](1.5)(mx.array(tokens), mx.array(logits)).shape == (2, 12)  # default context 20
+
+
+def test_make_logits_processors_uses_the_makers():
+    tokens, logits = mx.array([3, 3, 5]), randn(1, 8)
+    composed = make_logits_processors(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                                      frequency_context_size=2)
+    want = logits
+    for processor in (make_repetition_penalty(1.3), make_presence_penalty(0.4), make_frequency_penalty(0.2, 2)):
+        want = processor(tokens, want)
+    got = logits
+    for processor in composed:
+        got = processor(tokens, got)
+    assert mx.array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: make_repetition_penalty(-0.5), "repetition_penalty must be >= 0"),
+        (lambda: make_presence_penalty("a lot"), "presence_penalty must be a finite number"),
+        (lambda: make_frequency_penalty(0.5, context_size=0), "frequency_context_size must be a positive int"),
+    ],
+)
+def test_penalty_makers_reject_bad_values(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ---------------------------------------------------------------------------
+# base.py
+
+
+def test_create_attention_mask_answers_causal_when_it_is_exact():
+    h = mx.zeros((1, 5, 8))
+    assert create_attention_mask(h[:, :1]) is None
+    assert create_attention_mask(h) == "causal"
+    assert create_attention_mask(h, window_size=5) == "causal"
+    assert mx.array_equal(create_attention_mask(h, window_size=3), create_causal_mask(5, window_size=3))
+    assert mx.array_equal(create_attention_mask(h, return_array=True), create_causal_mask(5))
+    cache = KVCache()
+    cache.update_and_fetch(randn(1, 2, 4, 8), randn(1, 2, 4, 8))
+    assert create_attention_mask(h, cache) == "causal"
+    assert create_attention_mask(h, cache, window_size=6).shape == (5, 9)
+    assert create_attention_mask(h, CacheList(ArraysCache(2), cache)) == "causal"
+    assert create_attention_mask(h, CacheList(ArraysCache(2), cache), return_array=True).shape == (5, 9)
+    assert create_ssm_mask(h) is None and create_ssm_mask(h, ArraysCache(2)) is None
+
+
+def test_create_causal_mask_with_padding_matches_naive():
+    N, offset = 3, 4
+    left, right = mx.array([0, 2]), mx.array([1, 0])
+    got = np.array(create_causal_mask(N, offset, window_size=5, right_padding=right, left_padding=left))
+    assert got.shape == (2, 1, N, offset + N)
+    for b, i, j in itertools.product(range(2), range(N), range(offset + N)):
+        q = offset + i
+        want = j <= q and q - j < 5 and j >= int(left[b]) and j < offset + N - int(right[b])
+        assert got[b, 0, i, j] == want, (b, i, j)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4])
+def test_quantized_attention_takes_upstreams_keywords_and_causal(num_queries):
+    B, H, H_kv, S, D = 1, 4, 2, 9, 64
+    q, k, v = randn(B, H, num_queries, D), randn(B, H_kv, S, D), randn(B, H_kv, S, D)
+    q_keys, q_values = mx.quantize(k, group_size=64, bits=8), mx.quantize(v, group_size=64, bits=8)
+    array_mask = create_causal_mask(num_queries, S - num_queries)
+    want = quantized_scaled_dot_product_attention(q, q_keys, q_values, 0.125, array_mask, 64, 8)
+    got = quantized_scaled_dot_product_attention(q, q_keys, q_values, scale=0.125, mask="causal")
+    assert mx.allclose(got, want, atol=1e-6)
+    dense = mx.fast.scaled_dot_product_attention(
+        q, mx.dequantize(*q_keys, 64, 8), mx.dequantize(*q_values, 64, 8), scale=0.125, mask="causal"
+    )
+    assert mx.allclose(got, dense, atol=1e-4)
+    with pytest.raises(ValueError, match="'upper'"):
+        quantized_scaled_dot_product_attention(q, q_keys, q_values, scale=0.125, mask="upper")
+
+
+def test_quantized_cache_mask_is_causal():
+    cache = QuantizedKVCache(64, 8)
+    cache.update_and_fetch(randn(1, 2, 3, 64), randn(1, 2, 3, 64))
+    assert cache.make_mask(2, return_array=False) == "causal" and cache.make_mask(2).shape == (2, 5)
+
+
+# ---------------------------------------------------------------------------
+# gated_delta.py
+
+
+def naive_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask):
+    """The recurrence per batch row, value head and step, in float64 numpy."""
+    q, k, v, a, b = (np.array(x, dtype=np.float64) for x in (q, k, v, a, b))
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    g = np.exp(-np.exp(np.array(A_log, np.float64)) * np.log1p(np.exp(a + np.array(dt_bias, np.float64))))
+    beta = 1 / (1 + np.exp(-b))
+    S = np.array(state, np.float64).copy()
+    y = np.zeros((B, T, Hv, Dv))
+    for n, t, h in itertools.product(range(B), range(T), range(Hv)):
+        if not mask[n, t]:
+            continue
+        kh = h // (Hv // Hk)
+        S[n, h] *= g[n, t, h]
+        delta = beta[n, t, h] * (v[n, t, h] - S[n, h] @ k[n, t, kh])
+        S[n, h] += np.outer(delta, k[n, t, kh])
+        y[n, t, h] = S[n, h] @ q[n, t, kh]
+    return y, S
+
+
+def gdn_inputs(B, T, Hk=2, Hv=4, Dk=8, Dv=8):
+    q, k = randn(B, T, Hk, Dk), randn(B, T, Hk, Dk)
+    q, k = q / mx.linalg.norm(q, axis=-1, keepdims=True), k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    return q, k, randn(B, T, Hv, Dv), randn(B, T, Hv), randn(B, T, Hv), randn(Hv) * 0.5, randn(Hv)
+
+
+@pytest.mark.parametrize("T", [5, 40])  # stepping and chunked paths
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gated_delta_update_matches_naive(T, use_kernel, masked):
+    B = 2
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(B, T)
+    state = randn(B, 4, 8, 8) * 0.3
+    mask = np.ones((B, T), bool)
+    if masked:
+        mask[1, :3] = False  # a left-padded row
+    y, new_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mx.array(mask) if masked else None,
+                                      use_kernel=use_kernel)
+    want_y, want_state = naive_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask)
+    assert np.abs(np.array(y) - want_y).max() < 1e-4 * max(1, np.abs(want_y).max())
+    assert np.abs(np.array(new_state) - want_state).max() < 1e-4 * max(1, np.abs(want_state).max())
+    assert new_state.dtype == mx.float32 and y.dtype == mx.float32
+
+
+def test_gated_delta_update_keeps_dtypes_and_zero_state():
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(1, 3)
+    y, state = gated_delta_update(q, k, v.astype(mx.bfloat16), a, b, A_log, dt_bias)
+    assert y.dtype == mx.bfloat16 and state.dtype == mx.float32 and state.shape == (1, 4, 8, 8)
+    _, half_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=mx.zeros((1, 4, 8, 8), mx.float16))
+    assert half_state.dtype == mx.float16
+    with pytest.raises(ValueError, match="needs A_log and dt_bias"):
+        gated_delta_update(q, k, v, a, b, A_log)
+
+
+# ---------------------------------------------------------------------------
+# cache.py: CacheList files, RotatingKVCache windows
+
+
+def _filled(kind):
+    if kind == "kv":
+        cache = KVCache()
+        cache.update_and_fetch(randn(1, 2, 5, 8), randn(1, 2, 5, 8))
+    elif kind == "rotating":
+        cache = RotatingKVCache(4, keep=1)
+        cache.update_and_fetch(randn(1, 2, 6, 8), randn(1, 2, 6, 8))
+        cache.update_and_fetch(randn(1, 2, 1, 8), randn(1, 2, 1, 8))
+    elif kind == "quantized":
+        cache = QuantizedKVCache(32, 4)
+        cache.update_and_fetch(randn(1, 2, 3, 32), randn(1, 2, 3, 32))
+    elif kind == "arrays":
+        cache = ArraysCache(2)
+        cache[0] = randn(1, 3, 6)
+    elif kind == "nested":
+        cache = CacheList(_filled("arrays"), KVCache())
+    return cache
+
+
+EMPTY = {"kv": KVCache, "rotating": lambda: RotatingKVCache(4), "quantized": lambda: QuantizedKVCache(32, 4),
+         "arrays": lambda: ArraysCache(2), "nested": lambda: CacheList(KVCache(), ArraysCache(1))}
+KINDS = [f"{kind}-{fill}" for kind in EMPTY for fill in ("empty", "full")]
+
+
+def _make(spec):
+    kind, fill = spec.split("-")
+    return EMPTY[kind]() if fill == "empty" else _filled(kind)
+
+
+def _leaves(tree):
+    if isinstance(tree, (list, tuple)):
+        return [leaf for sub in tree for leaf in _leaves(sub)]
+    return [tree]
+
+
+@pytest.mark.parametrize("first, second", list(itertools.combinations_with_replacement(KINDS, 2)))
+def test_cache_list_of_any_mix_round_trips(tmp_path, first, second):
+    original = CacheList(_make(first), _make(second))
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [original, _filled("kv")], {"model": "m"})
+    loaded, metadata = load_prompt_cache(str(tmp_path / "c.safetensors"), return_metadata=True)
+    assert metadata == {"model": "m"} and isinstance(loaded[0], CacheList)
+    assert [type(c) for c in loaded[0].caches] == [type(c) for c in original.caches]
+    assert loaded[0].meta_state == original.meta_state
+    want, got = _leaves(original.state), _leaves(loaded[0].state)
+    assert len(want) == len(got)
+    assert all((w is None and g is None) or mx.array_equal(w, g) for w, g in zip(want, got))
+
+
+@pytest.mark.parametrize("window", [2, 3, 5])
+@pytest.mark.parametrize("keep", [0, 2])
+@pytest.mark.parametrize("pattern", [[1] * 14, [6, 1, 1, 3, 1, 1, 1, 4, 1, 1]])
+def test_rotating_cache_masks_a_shorter_window(window, keep, pattern):
+    """Attention through a RotatingKVCache(max_size 7) with window_size < its window
+    equals attention over the whole history under that window (sinks visible)."""
+    cache = RotatingKVCache(7, keep=keep)
+    total = sum(pattern)
+    all_k, all_v, queries = randn(1, 2, total, 8), randn(1, 2, total, 8), randn(1, 2, total, 8)
+    start = 0
+    for num in pattern:
+        mask = cache.make_mask(num, window_size=window, return_array=num > 1 and start % 2 == 0)
+        keys, values = cache.update_and_fetch(all_k[..., start:start + num, :], all_v[..., start:start + num, :])
+        q = queries[..., start:start + num, :]
+        got = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.35, mask=mask)
+        query_pos, key_pos = np.arange(start, start + num)[:, None], np.arange(start + num)[None]
+        ref = (key_pos <= query_pos) & ((query_pos - key_pos < window) | (key_pos < keep))
+        want = mx.fast.scaled_dot_product_attention(
+            q, all_k[..., :start + num, :], all_v[..., :start + num, :], scale=0.35, mask=mx.array(ref)
+        )
+        assert mx.allclose(got, want, atol=1e-5), (start, num)
+        start += num
+
+
+# ---------------------------------------------------------------------------
+# utils.make_shards
+
+
+def test_make_shards_takes_gigabytes():
+    weights = {f"w{i}": mx.zeros((256, 256)) for i in range(4)}  # 256 KiB each
+    assert len(make_shards(weights, 5)) == 1  # 5 GiB, not 5 bytes
+    assert len(make_shards(weights)) == 1
+    shards = make_shards(weights, max_file_size_gb=600 / (1 << 20))  # 600 KiB: two tensors a shard
+    assert [list(s) for s in shards] == [["w0", "w1"], ["w2", "w3"]]
+    with pytest.raises(ValueError, match="max_file_size_gb"):
+        make_shards(weights, 0)
