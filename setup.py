@@ -43,6 +43,7 @@ setup(
             "mlx_lm.convert = mlx_lm.convert:main",
             "mlx_lm.cache_prompt = mlx_lm.cache_prompt:main",
             "mlx_lm.server = mlx_lm.server:main",
+            "mlx_lm.chat = mlx_lm.chat:main",
         ]
     },
 )

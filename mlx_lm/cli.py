@@ -11,6 +11,7 @@ COMMANDS = {
     "convert": "mlx_lm.convert",
     "cache_prompt": "mlx_lm.cache_prompt",
     "server": "mlx_lm.server",
+    "chat": "mlx_lm.chat",
 }
 
 
