@@ -12,6 +12,7 @@ COMMANDS = {
     "cache_prompt": "mlx_lm.cache_prompt",
     "server": "mlx_lm.server",
     "chat": "mlx_lm.chat",
+    "benchmark": "mlx_lm.benchmark",
 }
 
 
