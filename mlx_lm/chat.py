@@ -8,24 +8,30 @@ with the chat template and feeds only the tokens after those the cache already h
 where the rendering differs from what the cache holds (usually at the end of the last
 answer, which the template closes its own way, or where re-encoding its text splits
 it differently) the cache is trimmed back to the common prefix first. So every answer
-is the one a fresh run on the whole conversation gives. A cache that cannot be trimmed
-(recurrent layers outside speculation, a --max-kv-size window that has wrapped) is
-refilled from the start when the rendering differs.
+is the one a fresh run on the whole conversation gives (with --max-kv-size: up to what
+the window has dropped). A cache that may not trim back (recurrent layers outside
+speculation, sliding windows) is also kept as it was at the end of each turn's prompt
+but its last token (a copy sharing its arrays until either is written, as the server
+keeps them: lru_prompt_cache); where the rendering differs, the next turn starts from
+that copy and feeds the rest of the conversation again.
 """
 
 import argparse
 import contextlib
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache_prompt import tokens_after_cache
+from .cache_prompt import fill_cache
 from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int, str2bool
-from .generate import GenerationResponse, check_same_tokenizer, stream_generate
-from .models.cache import can_trim_prompt_cache, make_prompt_cache
+from .generate import GenerationResponse, check_same_tokenizer, ids_within, stream_generate
+from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
+from .models.cache import KVCache, make_prompt_cache
 from .sample_utils import make_sampler
 from .tokenizer_utils import TokenizerWrapper
 
@@ -79,14 +85,31 @@ def read_system_prompt(value: Optional[str]) -> Optional[str]:
     return path.read_text().strip() if path.is_file() else value
 
 
+@dataclass
+class TurnStats:
+    """How a turn's prompt was processed: tokens taken from the cache, tokens fed, and
+    the seconds until the first token of the answer."""
+
+    num_reused: int
+    num_fed: int
+    prompt_seconds: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.num_fed / self.prompt_seconds if self.prompt_seconds else 0.0
+
+
 class ChatSession:
-    """A conversation and the prompt cache that holds it (see the module docstring).
+    """A conversation and the prompt caches that hold it (see the module docstring).
 
     `generation_kwargs` go to stream_generate every turn (sampler, and speculation's
-    `draft_model`, `num_draft_tokens`); with a `draft_model` the cache is the target's
-    entries followed by the draft's, as speculation expects. `cached_tokens` are the
-    tokens the cache holds; after a turn, `num_reused` says how many of its prompt
-    tokens came from the cache (the rest were fed)."""
+    `draft_model`, `num_draft_tokens`); with a `draft_model` a cache is the target's
+    entries followed by the draft's, as speculation expects. `stored` keeps the caches
+    by the tokens they hold: after a turn, the one holding the conversation so far,
+    and for a cache that may not trim (recurrent states, sliding windows) a copy at the
+    end of the turn's prompt but its last token, where the next turn restarts if its
+    rendering of the answer differs from the tokens generated. `last_turn` tells how
+    the last turn's prompt was processed."""
 
     def __init__(
         self,
@@ -103,53 +126,52 @@ class ChatSession:
         self.model, self.tokenizer = model, tokenizer
         self.system_prompt, self.max_tokens, self.max_kv_size = system_prompt, max_tokens, max_kv_size
         self.generation_kwargs = dict(generation_kwargs or {})
-        self.num_reused = 0
+        self.last_turn: Optional[TurnStats] = None
         self.reset()
 
     def reset(self) -> None:
-        """Forget the conversation (the system prompt stays)."""
+        """Forget the conversation (the system prompt stays) and its caches."""
         self.messages: List[Dict[str, str]] = []
         if self.system_prompt is not None:
             self.messages.append({"role": "system", "content": self.system_prompt})
-        self._new_cache()
+        self.stored = LRUPromptCache(max_size=2)
 
-    def _new_cache(self) -> None:
-        models = [self.model]
-        if self.generation_kwargs.get("draft_model") is not None:
-            models.append(self.generation_kwargs["draft_model"])
-        self.prompt_cache = [c for m in models for c in make_prompt_cache(m, self.max_kv_size)]
-        self.cached_tokens: List[int] = []
+    def models(self) -> List[nn.Module]:
+        """The models whose entries make up a cache: the target, then any draft."""
+        draft_model = self.generation_kwargs.get("draft_model")
+        return [self.model] if draft_model is None else [self.model, draft_model]
+
+    def new_cache(self) -> List[Any]:
+        return [c for m in self.models() for c in make_prompt_cache(m, self.max_kv_size)]
 
     def render(self, messages: List[Dict[str, str]]) -> List[int]:
         """Token ids of `messages` under the chat template, ready for the answer."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _tokens_to_feed(self, tokens: List[int]) -> List[int]:
-        """Bring the cache to the longest prefix of `tokens` it can keep; returns the rest."""
-        held = self.cached_tokens
-        extends = len(tokens) > len(held) and tokens[: len(held)] == held
-        if not extends and not can_trim_prompt_cache(self.prompt_cache):
-            self._new_cache()
-        return tokens_after_cache(self.prompt_cache, self.cached_tokens, tokens)
-
     def reply(self, text: str) -> Generator[GenerationResponse, None, None]:
         """Answer the user turn `text`, one response per token (the last one carries the
         finish_reason). Closing the generator early keeps the answer so far. A turn that
-        fails leaves the conversation as it was, with a new cache to fill next turn."""
+        fails leaves the conversation as it was."""
         messages = self.messages + [{"role": "user", "content": text}]
         tokens = self.render(messages)
-        to_feed = self._tokens_to_feed(tokens)
-        self.num_reused = len(tokens) - len(to_feed)
+        tic = time.perf_counter()
+        fetched = self.stored.fetch(tokens)
+        # Only the copy holds its arrays now, so feeding it need not copy them first.
+        self.stored.trim_to(n_sequences=0)
+        prompt_cache = fetched.prompt_cache or self.new_cache()
+        self.last_turn = TurnStats(fetched.num_cached, len(fetched.remaining))
         generated: List[int] = []
-        answer = ""
-        clean_stop = False
+        answer, clean_stop = "", False
         try:
+            remaining = self._store_prompt(tokens, fetched.remaining, prompt_cache)
             with contextlib.closing(stream_generate(
-                self.model, self.tokenizer, to_feed, max_tokens=self.max_tokens,
-                prompt_cache=self.prompt_cache, **self.generation_kwargs,
+                self.model, self.tokenizer, remaining, max_tokens=self.max_tokens,
+                prompt_cache=prompt_cache, **self.generation_kwargs,
             )) as responses:
                 for response in responses:
+                    if not generated:
+                        self.last_turn.prompt_seconds = time.perf_counter() - tic
                     generated.append(response.token)
                     answer += response.text
                     yield response
@@ -160,16 +182,33 @@ class ChatSession:
         finally:
             if clean_stop:
                 self.messages = messages + [{"role": "assistant", "content": answer}]
-                self.cached_tokens = tokens + generated
-            else:
-                self._new_cache()
+                self.stored.insert(tokens + generated, prompt_cache)
+
+    def _store_prompt(self, tokens: List[int], remaining: List[int], prompt_cache: List[Any]) -> List[int]:
+        """For a cache that may not trim back once the answer is in (anything but plain
+        KVCache entries), feed all of `remaining` but its last token and store a copy
+        holding `tokens[:-1]`. Returns what is left to feed."""
+        if len(tokens) < 2 or all(type(c) is KVCache for c in prompt_cache):
+            return remaining
+        ids, start = mx.array(remaining[:-1], mx.uint32), 0
+        for model in self.models():
+            end = start + len(model.layers)
+            model_ids = ids_within(ids, model.args.vocab_size).tolist()  # as speculation feeds a smaller draft
+            fill_cache(model, model_ids, prompt_cache[start:end], _no_quantization)
+            start = end
+        self.stored.insert(tokens[:-1], copy_prompt_cache(prompt_cache))
+        return remaining[-1:]
 
 
-def format_turn_stats(response: GenerationResponse, num_reused: int) -> str:
+def _no_quantization(prompt_cache: List[Any]) -> None:
+    """chat keeps the KV cache unquantized (fill_cache's quantize_kv hook)."""
+
+
+def format_turn_stats(response: GenerationResponse, turn: TurnStats) -> str:
     """The --verbose line after an answer."""
     line = (
-        f"[prompt: {response.prompt_tokens} new tokens + {num_reused} from the cache, "
-        f"{response.prompt_tps:.1f} tokens-per-sec; generation: {response.generation_tokens} tokens, "
+        f"[prompt: {turn.num_fed} new tokens + {turn.num_reused} from the cache, "
+        f"{turn.prompt_tps:.1f} tokens-per-sec; generation: {response.generation_tokens} tokens, "
         f"{response.generation_tps:.1f} tokens-per-sec; peak memory: {response.peak_memory:.3f} GB"
     )
     spec = response.speculation
@@ -206,7 +245,7 @@ def chat_loop(session: ChatSession, verbose: bool) -> None:
             print(response.text, end="", flush=True)
         print()
         if verbose:
-            print(format_turn_stats(response, session.num_reused))
+            print(format_turn_stats(response, session.last_turn))
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -62,6 +62,12 @@ def common_prefix(cached, tokens) -> int:
     return n
 
 
+def conversation_cache(session):
+    """(the tokens the conversation's cache holds, a copy of that cache)."""
+    key = list(session.stored.keys()[-1])
+    return key, session.stored.fetch(key + [EOS]).prompt_cache  # a strict prefix: not trimmed
+
+
 def run_chat(model_dir, stdin, *extra) -> str:
     """stdout of mlx_lm.chat, bytes decoded as they are (answers may hold a lone \\r)."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
@@ -102,40 +108,65 @@ def test_second_turn_feeds_only_new_tokens_and_answers_as_a_fresh_run(tiny_model
     answers, lengths = fresh_conversation(model, tokenizer, TURNS)
     for speculation in ({}, {"draft_model": draft_model, "num_draft_tokens": 2}):
         session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS, generation_kwargs=speculation)
+        held = []
         for i, text in enumerate(TURNS):
-            held = session.cached_tokens
             responses = list(session.reply(text))
             assert "".join(r.text for r in responses) == answers[i]
-            assert responses[-1].prompt_tokens + session.num_reused == lengths[i]
             tokens = render(tokenizer, session.messages[:-1])
-            assert session.num_reused == common_prefix(held, tokens)
+            turn = session.last_turn
+            assert turn.num_reused == common_prefix(held, tokens) and turn.num_fed + turn.num_reused == lengths[i]
+            assert responses[-1].prompt_tokens == turn.num_fed  # stream_generate was given only those
             # The cache (the draft's entries too) holds exactly the conversation so far.
-            assert {c.offset for c in session.prompt_cache} == {len(session.cached_tokens)}
-            assert session.cached_tokens == tokens + [r.token for r in responses]
-        assert session.num_reused > lengths[0]  # turn 1's prompt and (some of) its answer
+            held, prompt_cache = conversation_cache(session)
+            assert held == tokens + [r.token for r in responses] and session.stored.keys() == [tuple(held)]
+            assert {c.offset for c in prompt_cache} == {len(held)}
+        assert session.last_turn.num_reused > lengths[0]  # turn 1's prompt and (some of) its answer
         session.reset()
         list(session.reply(TURNS[1]))
-        assert session.num_reused == 0 and len(session.messages) == 2
+        assert session.last_turn.num_reused == 0 and len(session.messages) == 2
 
 
 def force_eos(tokens, logits):
     return mx.where(mx.arange(logits.shape[-1]) == EOS, 1e4, logits)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
-def test_a_cache_that_differs_from_the_rendering_is_trimmed_back_or_refilled(family, tiny_model_dir, hybrid_dir):
+@pytest.mark.parametrize("family, max_kv_size", [("qwen3", None), ("qwen3_next", None), ("qwen3", 12)])
+def test_a_cache_that_differs_from_the_rendering_is_trimmed_back_or_restarted(
+    family, max_kv_size, tiny_model_dir, hybrid_dir
+):
     """Turn 1 ends at EOS, where the template closes the answer with <|im_end|>: a KV
-    cache is trimmed back to turn 1's prompt, a recurrent one (not trimmable) refilled."""
+    cache is trimmed back to turn 1's prompt; one that cannot trim (recurrent states, a
+    window that has wrapped) restarts from its copy at that prompt but its last token."""
     model, tokenizer = load(str(tiny_model_dir if family == "qwen3" else hybrid_dir))
     session = ChatSession(model, tokenizer, system_prompt="Be brief.", max_tokens=MAX_TOKENS,
-                          generation_kwargs={"logits_processors": [force_eos]})
+                          max_kv_size=max_kv_size, generation_kwargs={"logits_processors": [force_eos]})
     responses = list(session.reply(TURNS[0]))
     assert [r.token for r in responses] == [EOS] and responses[-1].finish_reason == "stop"
-    turn1_prompt = len(session.cached_tokens) - 1
+    prompt = render(tokenizer, session.messages[:-1])
+    trimmable = family == "qwen3" and max_kv_size is None
+    copies = [] if trimmable else [tuple(prompt[:-1])]
+    assert session.stored.keys() == copies + [tuple(prompt + [EOS])]
     session.generation_kwargs.clear()
     answer = "".join(r.text for r in session.reply(TURNS[1]))
-    assert session.num_reused == (turn1_prompt if family == "qwen3" else 0)
-    assert answer == fresh_answer(model, tokenizer, session.messages[:-1])
+    assert session.last_turn.num_reused == (len(prompt) if trimmable else len(prompt) - 1)
+    if max_kv_size is None:  # a window that has dropped tokens answers otherwise than a fresh run
+        assert answer == fresh_answer(model, tokenizer, session.messages[:-1])
+
+
+def test_a_hybrid_with_a_draft_answers_each_turn_as_a_fresh_run(hybrid_dir, tiny_model_dir):
+    model, tokenizer = load(str(hybrid_dir))
+    draft_model, _ = load(str(tiny_model_dir))
+    turns = TURNS + ["and then?"]
+    answers, lengths = fresh_conversation(model, tokenizer, turns)
+    session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS,
+                          generation_kwargs={"draft_model": draft_model, "num_draft_tokens": 3})
+    for i, text in enumerate(turns):
+        assert "".join(r.text for r in session.reply(text)) == answers[i]
+        # At least the last prompt but its last token comes from the cache (its copy).
+        assert session.last_turn.num_reused >= (lengths[i - 1] - 1 if i else 0)
+        assert session.last_turn.num_reused + session.last_turn.num_fed == lengths[i]
+        held, prompt_cache = conversation_cache(session)  # the draft (KVCache entries) is in step
+        assert {c.offset for c in prompt_cache[len(model.layers):]} == {len(held)}
 
 
 def test_closing_an_answer_early_keeps_it_and_the_caches_in_step(tiny_model_dir, noisy_draft_dir):
@@ -147,11 +178,12 @@ def test_closing_an_answer_early_keeps_it_and_the_caches_in_step(tiny_model_dir,
     partial = [next(replies) for _ in range(4)]
     replies.close()
     prompt = render(tokenizer, session.messages[:1])
-    assert session.cached_tokens == prompt + [r.token for r in partial]
+    held, prompt_cache = conversation_cache(session)
+    assert held == prompt + [r.token for r in partial] and {c.offset for c in prompt_cache} == {len(prompt) + 4}
     assert session.messages[-1] == {"role": "assistant", "content": "".join(r.text for r in partial)}
-    assert {c.offset for c in session.prompt_cache} == {len(prompt) + 4}
     answer = "".join(r.text for r in session.reply(TURNS[1]))
-    assert session.num_reused >= len(prompt) and answer == fresh_answer(model, tokenizer, session.messages[:-1])
+    assert session.last_turn.num_reused >= len(prompt)
+    assert answer == fresh_answer(model, tokenizer, session.messages[:-1])
 
 
 def test_a_failed_turn_leaves_the_conversation_as_it_was(tiny_model_dir):
@@ -166,7 +198,7 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(tiny_model_dir):
     session.generation_kwargs["logits_processors"] = [fail]
     with pytest.raises(RuntimeError, match="processor failed"):
         list(session.reply(TURNS[1]))
-    assert session.messages == before and session.cached_tokens == []
+    assert session.messages == before and len(session.stored) == 0
     session.generation_kwargs.clear()
     assert "".join(r.text for r in session.reply(TURNS[1])) == fresh_answer(model, tokenizer, session.messages[:-1])
 
