@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> None:
     print("Running warmup..")
     trial()
     timing = f"Timing with prompt_tokens={args.prompt_tokens}, generation_tokens={args.generation_tokens}"
-    if speculation:
-        timing += f", draft_model={args.draft_model}, num_draft_tokens={speculation['num_draft_tokens']}"
+    for key, value in speculation.items():
+        timing += f", {key}={args.draft_model if key == 'draft_model' else value}"
     print(timing + ".")
     trials = []
     for i in range(args.num_trials):

@@ -241,8 +241,12 @@ def chat_loop(session: ChatSession, verbose: bool) -> None:
         if query == HELP_COMMAND:
             print_commands()
             continue
-        for response in session.reply(line):
-            print(response.text, end="", flush=True)
+        try:
+            for response in session.reply(line):
+                print(response.text, end="", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat
+            print("\n[answer interrupted; this turn is left out of the conversation]")
+            continue
         print()
         if verbose:
             print(format_turn_stats(response, session.last_turn))

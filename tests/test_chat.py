@@ -2,6 +2,7 @@
 cache is reused from turn to turn (only new tokens are fed), and a draft model changes
 nothing under greedy decoding."""
 
+import io
 import os
 import re
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from checkpoints import TINY_CONFIGS, write_checkpoint
 from mlx_lm import load, stream_generate
-from mlx_lm.chat import ChatSession, read_system_prompt
+from mlx_lm.chat import ChatSession, chat_loop, read_system_prompt
 
 MAX_TOKENS = 10
 TURNS = ["hello there", "tell me about the library"]
@@ -201,6 +202,22 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(tiny_model_dir):
     assert session.messages == before and len(session.stored) == 0
     session.generation_kwargs.clear()
     assert "".join(r.text for r in session.reply(TURNS[1])) == fresh_answer(model, tokenizer, session.messages[:-1])
+
+
+def test_ctrl_c_drops_the_answer_and_the_chat_goes_on(tiny_model_dir, monkeypatch, capsys):
+    model, tokenizer = load(str(tiny_model_dir))
+    session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS)
+
+    def interrupt(tokens, logits):
+        session.generation_kwargs.clear()  # only the first answer is interrupted
+        raise KeyboardInterrupt
+
+    session.generation_kwargs["logits_processors"] = [interrupt]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{TURNS[0]}\n{TURNS[1]}\nexit\n"))
+    chat_loop(session, verbose=False)
+    answer = fresh_answer(model, tokenizer, [{"role": "user", "content": TURNS[1]}])
+    assert capsys.readouterr().out == f">> \n[answer interrupted; this turn is left out of the conversation]\n>> {answer}\n>> "
+    assert [m["content"] for m in session.messages] == [TURNS[1], answer]
 
 
 def test_system_prompt_is_text_or_a_file(tmp_path):
