@@ -216,7 +216,8 @@ def test_ctrl_c_drops_the_answer_and_the_chat_goes_on(tiny_model_dir, monkeypatc
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{TURNS[0]}\n{TURNS[1]}\nexit\n"))
     chat_loop(session, verbose=False)
     answer = fresh_answer(model, tokenizer, [{"role": "user", "content": TURNS[1]}])
-    assert capsys.readouterr().out == f">> \n[answer interrupted; this turn is left out of the conversation]\n>> {answer}\n>> "
+    notice = "[answer interrupted; this turn is left out of the conversation]"
+    assert capsys.readouterr().out == f">> \n{notice}\n>> {answer}\n>> "
     assert [m["content"] for m in session.messages] == [TURNS[1], answer]
 
 
