@@ -44,6 +44,8 @@ setup(
             "mlx_lm.cache_prompt = mlx_lm.cache_prompt:main",
             "mlx_lm.server = mlx_lm.server:main",
             "mlx_lm.fuse = mlx_lm.fuse:main",
+            "mlx_lm.chat = mlx_lm.chat:main",
+            "mlx_lm.benchmark = mlx_lm.benchmark:main",
         ]
     },
 )

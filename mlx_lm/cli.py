@@ -12,6 +12,8 @@ COMMANDS = {
     "cache_prompt": "mlx_lm.cache_prompt",
     "server": "mlx_lm.server",
     "fuse": "mlx_lm.fuse",
+    "chat": "mlx_lm.chat",
+    "benchmark": "mlx_lm.benchmark",
 }
 
 

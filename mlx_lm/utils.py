@@ -23,6 +23,7 @@ MODEL_REMAPPING = {
     "mistral": "llama",
     "iquestcoder": "llama",
     "gemma3_text": "gemma3",
+    "ministral": "llama",
 }
 
 # What a hub download fetches: configs, weights, code-free tokenizer files.

@@ -4,8 +4,7 @@
 Fixtures from fixtures/make_phi3_reference.py: mistral_tf4 (MistralConfig, window 8 on
 both layers, transformers-4 dialect) and ministral_tf5 (MinistralConfig, layer_types
 [sliding, full], window 8, transformers-5 dialect), 24 tokens each, so every window
-edge is crossed twice. model_type "ministral" is not mapped to llama.py by the loader
-yet, so its fixture loads with model_type overridden to "llama" (same weights).
+edge is crossed twice; the loader maps model_type "ministral" to llama.py.
 """
 
 import copy
@@ -23,29 +22,29 @@ from mlx_lm.models.llama import FULL, SLIDING, ModelArgs
 from mlx_lm.utils import load_model
 
 TOLERANCE = 1e-4
-FIXTURE_OVERRIDES = {"mistral_tf4": {}, "ministral_tf5": {"model_type": "llama"}}
+FIXTURE_NAMES = ["mistral_tf4", "ministral_tf5"]
 
 
 def load_fixture(name, **override):
-    model, _ = load_model(FIXTURES / name, model_config=dict(FIXTURE_OVERRIDES[name], **override))
+    model, _ = load_model(FIXTURES / name, model_config=override)
     return model, mx.load(str(FIXTURES / name / "reference.safetensors"))
 
 
-@pytest.mark.parametrize("name", FIXTURE_OVERRIDES)
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_full_forward_matches_transformers(name):
     model, ref = load_fixture(name)
     assert ref["input_ids"].shape[1] >= 3 * model.args.sliding_window
     assert relative_error(model(ref["input_ids"]), ref["logits"]) < TOLERANCE
 
 
-@pytest.mark.parametrize("name", FIXTURE_OVERRIDES)
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
 @pytest.mark.parametrize("chunk", [1, 5, 24])
 def test_cached_decode_matches_transformers(name, chunk):
     model, ref = load_fixture(name)
     assert relative_error(decode_in_chunks(model, ref["input_ids"], chunk), ref["incremental_logits"]) < TOLERANCE
 
 
-@pytest.mark.parametrize("name", FIXTURE_OVERRIDES)
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_the_window_matters(name):
     model, ref = load_fixture(name, sliding_window=1000)
     assert relative_error(model(ref["input_ids"]), ref["logits"]) > 1e-2

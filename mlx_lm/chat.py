@@ -1,0 +1,305 @@
+"""`mlx_lm.chat`: chat with a model on the command line.
+
+Each line read from stdin is a user turn, answered as it streams; `q` (or `exit`) or
+the end of the input ends the chat, `r` starts a new one, `h` lists these commands.
+
+The prompt cache is kept from turn to turn. Each turn renders the whole conversation
+with the chat template and feeds only the tokens after those the cache already holds;
+where the rendering differs from what the cache holds (usually at the end of the last
+answer, which the template closes its own way, or where re-encoding its text splits
+it differently) the cache is trimmed back to the common prefix first. So every answer
+is the one a fresh run on the whole conversation gives (with --max-kv-size: up to what
+the window has dropped). A cache that may not trim back (recurrent layers outside
+speculation, sliding windows) is also kept as it was at the end of each turn's prompt
+but its last token (a copy sharing its arrays until either is written, as the server
+keeps them: lru_prompt_cache); where the rendering differs, the next turn starts from
+that copy and feeds the rest of the conversation again.
+"""
+
+import argparse
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Generator, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache_prompt import fill_cache
+from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int, str2bool
+from .drafters import ids_within
+from .generate import GenerationResponse, check_same_tokenizer, stream_generate
+from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
+from .models.cache import KVCache, make_prompt_cache
+from .sample_utils import make_sampler
+from .tokenizer_utils import TokenizerWrapper
+
+DEFAULT_TEMP = 0.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_XTC_PROBABILITY = 0.0
+DEFAULT_XTC_THRESHOLD = 0.0
+DEFAULT_SEED = 0
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_NUM_DRAFT_TOKENS = 3
+
+QUIT_COMMANDS = ("q", "exit")
+RESET_COMMAND = "r"
+HELP_COMMAND = "h"
+
+
+def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--draft-model and --num-draft-tokens (read by load_with_speculation)."""
+    parser.add_argument("--draft-model", default=None,
+                        help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=None,
+                        help=f"At most this many tokens drafted per target forward (default: "
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model)")
+
+
+def check_speculation_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.num_draft_tokens is not None and args.draft_model is None:
+        parser.error(f"--num-draft-tokens {args.num_draft_tokens} needs --draft-model")
+
+
+def load_with_speculation(args: argparse.Namespace) -> Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]:
+    """Load --model and what speculation needs: (model, tokenizer, the keyword
+    arguments of stream_generate that select speculation, empty without it)."""
+    from .utils import load
+
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    speculation: Dict[str, Any] = {}
+    if args.draft_model is not None:
+        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype)
+        check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
+        speculation.update(draft_model=draft_model,
+                           num_draft_tokens=args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
+    return model, tokenizer, speculation
+
+
+def read_system_prompt(value: Optional[str]) -> Optional[str]:
+    """--system-prompt: the text itself, or the name of a file holding it."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    return path.read_text().strip() if path.is_file() else value
+
+
+@dataclass
+class TurnStats:
+    """How a turn's prompt was processed: tokens taken from the cache, tokens fed, and
+    the seconds until the first token of the answer."""
+
+    num_reused: int
+    num_fed: int
+    prompt_seconds: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.num_fed / self.prompt_seconds if self.prompt_seconds else 0.0
+
+
+class ChatSession:
+    """A conversation and the prompt caches that hold it (see the module docstring).
+
+    `generation_kwargs` go to stream_generate every turn (sampler, and speculation's
+    `draft_model`, `num_draft_tokens`); with a `draft_model` a cache is the target's
+    entries followed by the draft's, as speculation expects. `stored` keeps the caches
+    by the tokens they hold: after a turn, the one holding the conversation so far,
+    and for a cache that may not trim (recurrent states, sliding windows) a copy at the
+    end of the turn's prompt but its last token, where the next turn restarts if its
+    rendering of the answer differs from the tokens generated. `last_turn` tells how
+    the last turn's prompt was processed."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        *,
+        system_prompt: Optional[str] = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_kv_size: Optional[int] = None,
+        generation_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        if not tokenizer.has_chat_template:
+            raise ValueError("chat needs a tokenizer with a chat template; this model's tokenizer has none")
+        self.model, self.tokenizer = model, tokenizer
+        self.system_prompt, self.max_tokens, self.max_kv_size = system_prompt, max_tokens, max_kv_size
+        self.generation_kwargs = dict(generation_kwargs or {})
+        self.last_turn: Optional[TurnStats] = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and its caches."""
+        self.messages: List[Dict[str, str]] = []
+        if self.system_prompt is not None:
+            self.messages.append({"role": "system", "content": self.system_prompt})
+        self.stored = LRUPromptCache(max_size=2)
+
+    def models(self) -> List[nn.Module]:
+        """The models whose entries make up a cache: the target, then any draft."""
+        draft_model = self.generation_kwargs.get("draft_model")
+        return [self.model] if draft_model is None else [self.model, draft_model]
+
+    def new_cache(self) -> List[Any]:
+        return [c for m in self.models() for c in make_prompt_cache(m, self.max_kv_size)]
+
+    def render(self, messages: List[Dict[str, str]]) -> List[int]:
+        """Token ids of `messages` under the chat template, ready for the answer."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def reply(self, text: str) -> Generator[GenerationResponse, None, None]:
+        """Answer the user turn `text`, one response per token (the last one carries the
+        finish_reason). Closing the generator early keeps the answer so far. A turn that
+        fails leaves the conversation as it was."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        tokens = self.render(messages)
+        tic = time.perf_counter()
+        fetched = self.stored.fetch(tokens)
+        # Only the copy holds its arrays now, so feeding it need not copy them first.
+        self.stored.trim_to(n_sequences=0)
+        prompt_cache = fetched.prompt_cache or self.new_cache()
+        self.last_turn = TurnStats(fetched.num_cached, len(fetched.remaining))
+        generated: List[int] = []
+        answer, clean_stop = "", False
+        try:
+            remaining = self._store_prompt(tokens, fetched.remaining, prompt_cache)
+            with contextlib.closing(stream_generate(
+                self.model, self.tokenizer, remaining, max_tokens=self.max_tokens,
+                prompt_cache=prompt_cache, **self.generation_kwargs,
+            )) as responses:
+                for response in responses:
+                    if not generated:
+                        self.last_turn.prompt_seconds = time.perf_counter() - tic
+                    generated.append(response.token)
+                    answer += response.text
+                    yield response
+            clean_stop = True
+        except GeneratorExit:
+            clean_stop = True  # closed at a yield: the cache holds every token delivered
+            raise
+        finally:
+            if clean_stop:
+                self.messages = messages + [{"role": "assistant", "content": answer}]
+                self.stored.insert(tokens + generated, prompt_cache)
+
+    def _store_prompt(self, tokens: List[int], remaining: List[int], prompt_cache: List[Any]) -> List[int]:
+        """For a cache that may not trim back once the answer is in (anything but plain
+        KVCache entries), feed all of `remaining` but its last token and store a copy
+        holding `tokens[:-1]`. Returns what is left to feed."""
+        if len(tokens) < 2 or all(type(c) is KVCache for c in prompt_cache):
+            return remaining
+        ids, start = mx.array(remaining[:-1], mx.uint32), 0
+        for model in self.models():
+            end = start + len(model.layers)
+            model_ids = ids_within(ids, model.args.vocab_size).tolist()  # as speculation feeds a smaller draft
+            fill_cache(model, model_ids, prompt_cache[start:end], _no_quantization)
+            start = end
+        self.stored.insert(tokens[:-1], copy_prompt_cache(prompt_cache))
+        return remaining[-1:]
+
+
+def _no_quantization(prompt_cache: List[Any]) -> None:
+    """chat keeps the KV cache unquantized (fill_cache's quantize_kv hook)."""
+
+
+def format_turn_stats(response: GenerationResponse, turn: TurnStats) -> str:
+    """The --verbose line after an answer."""
+    line = (
+        f"[prompt: {turn.num_fed} new tokens + {turn.num_reused} from the cache, "
+        f"{turn.prompt_tps:.1f} tokens-per-sec; generation: {response.generation_tokens} tokens, "
+        f"{response.generation_tps:.1f} tokens-per-sec; peak memory: {response.peak_memory:.3f} GB"
+    )
+    spec = response.speculation
+    if spec is not None:
+        line += f"; drafts accepted: {spec.num_accepted}/{spec.num_drafted}"
+    return line + "]"
+
+
+def print_commands() -> None:
+    print("Commands: 'q' or 'exit' ends the chat, 'r' starts a new one, 'h' shows this list.")
+
+
+def chat_loop(session: ChatSession, verbose: bool) -> None:
+    """Answer the lines of stdin until the input ends or a quit command."""
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            print()
+            return
+        query = line.strip()
+        if not query:
+            continue
+        if query in QUIT_COMMANDS:
+            return
+        if query == RESET_COMMAND:
+            session.reset()
+            print("[chat reset]")
+            continue
+        if query == HELP_COMMAND:
+            print_commands()
+            continue
+        try:
+            for response in session.reply(line):
+                print(response.text, end="", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat
+            print("\n[answer interrupted; this turn is left out of the conversation]")
+            continue
+        print()
+        if verbose:
+            print(format_turn_stats(response, session.last_turn))
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx_lm.chat", description="Chat with an LLM", formatter_class=HelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Local model directory or Hugging Face repo id")
+    parser.add_argument("--temp", type=float, default=DEFAULT_TEMP, help="Sampling temperature")
+    parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="Nucleus sampling threshold")
+    parser.add_argument("--xtc-probability", type=float, default=DEFAULT_XTC_PROBABILITY,
+                        help="Probability of XTC sampling")
+    parser.add_argument("--xtc-threshold", type=float, default=DEFAULT_XTC_THRESHOLD,
+                        help="Probability threshold of XTC sampling")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="PRNG seed")
+    parser.add_argument("--max-kv-size", type=positive_int, default=None,
+                        help="Bound every KV cache to this many tokens, keeping the first 4 (default: unbounded)")
+    parser.add_argument("--max-tokens", "-m", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                        help="Maximum tokens per answer")
+    parser.add_argument("--system-prompt", default=None,
+                        help="System prompt for the chat template: the text, or a file holding it")
+    parser.add_argument("--verbose", type=str2bool, nargs="?", const=True, default=False,
+                        help="After each answer print the prompt tokens fed and reused, speeds and memory")
+    add_speculation_arguments(parser)
+    add_dtype_argument(parser)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    check_speculation_arguments(parser, args)
+    mx.random.seed(args.seed)
+    try:
+        model, tokenizer, speculation = load_with_speculation(args)
+        sampler = make_sampler(
+            args.temp, args.top_p, xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+            xtc_special_tokens=tokenizer.encode("\n", add_special_tokens=False) + sorted(tokenizer.eos_token_ids),
+        )
+        session = ChatSession(
+            model, tokenizer, system_prompt=read_system_prompt(args.system_prompt), max_tokens=args.max_tokens,
+            max_kv_size=args.max_kv_size, generation_kwargs=dict(sampler=sampler, **speculation),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"Error: {e}")
+    print(f"[INFO] Chatting with {args.model}.")
+    print_commands()
+    try:
+        chat_loop(session, args.verbose)
+    except ValueError as e:  # e.g. a model whose caches cannot roll back, with --draft-model
+        sys.exit(f"Error: {e}")
+
+
+if __name__ == "__main__":
+    main()
