@@ -145,5 +145,9 @@ def test_gated_rms_norm_matches_naive_per_group():
     assert np.allclose(np.array(got), want, atol=1e-5)
     whole = gated_rms_norm(mx.array(y), mx.array(z), mx.array(w), 12, 1e-5)
     assert not np.allclose(np.array(whole), want, atol=1e-3)  # groups matter
+    normed = y.reshape(2, 3, 3, 4)
+    normed = (normed / np.sqrt((normed**2).mean(-1, keepdims=True) + 1e-5)).reshape(2, 3, 12)
+    after = gated_rms_norm(mx.array(y), mx.array(z), mx.array(w), 4, 1e-5, norm_before_gate=True)
+    assert np.allclose(np.array(after), normed * w * z / (1 + np.exp(-z)), atol=1e-5)
     with pytest.raises(ValueError, match="12 channels do not split into groups of 5"):
         gated_rms_norm(mx.array(y), mx.array(z), mx.array(w), 5, 1e-5)

@@ -24,6 +24,7 @@ References: transformers `models/nemotron_h/modeling_nemotron_h.py`; NVIDIA,
 (arXiv 2504.03624).
 """
 
+import math
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -48,6 +49,32 @@ PATTERN_KINDS = {"M": MAMBA, "*": ATTENTION, "-": MLP_BLOCK, "E": MOE}
 LEGACY_KINDS = {"mamba": MAMBA, "attention": ATTENTION}  # older layers_block_type names
 # Slots of a Mamba-2 layer's ArraysCache.
 CONV_STATE, SSM_STATE = 0, 1
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """What a Mamba-2 mixer is made of, in neutral names (falcon_h1 builds one too).
+
+    `norm_before_gate`: None for no norm (the output is y * silu(gate)); False for
+    rmsnorm(y * silu(gate)) (Nemotron-H); True for rmsnorm(y) * silu(gate)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    in_proj_bias: bool
+    out_proj_bias: bool
+    norm_eps: float
+    norm_before_gate: Optional[bool] = False
+    time_step_min: float = 0.0
+    time_step_max: float = math.inf
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
 
 
 @dataclass
@@ -122,6 +149,14 @@ class ModelArgs(BaseModelArgs):
         if MOE in kinds:
             self._validate_moe()
 
+    @property
+    def mamba_shape(self) -> Mamba2Shape:
+        return Mamba2Shape(
+            self.hidden_size, self.mamba_num_heads, self.mamba_head_dim, self.n_groups, self.ssm_state_size,
+            self.conv_kernel, conv_bias=self.use_conv_bias, in_proj_bias=self.use_bias, out_proj_bias=self.use_bias,
+            norm_eps=self.layer_norm_epsilon, norm_before_gate=False, time_step_min=self.time_step_min,
+        )
+
     def _validate_moe(self):
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(
@@ -180,34 +215,48 @@ def replay_prefix(conv_input: mx.array, x: mx.array, dt: mx.array, A: mx.array, 
 class GatedRMSNorm(nn.Module):
     """gated_rms_norm with its weight, over groups of `group_size` channels."""
 
-    def __init__(self, dims: int, group_size: int, eps: float):
+    def __init__(self, dims: int, group_size: int, eps: float, norm_before_gate: bool):
         super().__init__()
         self.weight = mx.ones((dims,))
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
 
     def __call__(self, y: mx.array, gate: mx.array) -> mx.array:
-        return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
+        return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps, norm_before_gate=self.norm_before_gate)
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """in_proj -> [gate | conv rows | dt]; causal conv + silu -> x, B, C; the SSD
+    recurrence with a D skip; the gated output (norm or not) -> out_proj."""
+
+    def __init__(self, shape: Mamba2Shape):
         super().__init__()
-        self.num_heads, self.head_dim = args.mamba_num_heads, args.mamba_head_dim
-        self.n_groups, self.state_size = args.n_groups, args.ssm_state_size
-        self.intermediate_size = self.num_heads * self.head_dim
+        self.num_heads, self.head_dim = shape.num_heads, shape.head_dim
+        self.n_groups, self.state_size = shape.n_groups, shape.state_size
+        self.intermediate_size = shape.intermediate_size
         self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size  # [x | B | C]
-        self.conv_kernel_size = args.conv_kernel
-        self.time_step_min = args.time_step_min
-        self.in_proj = nn.Linear(args.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads,
-                                 bias=args.use_bias)
+        self.conv_kernel_size = shape.conv_kernel
+        self.time_step_limit = (shape.time_step_min, shape.time_step_max)
+        self.in_proj = nn.Linear(shape.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads,
+                                 bias=shape.in_proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim,
-                                bias=args.use_conv_bias)  # weight (ch, K, 1)
+                                bias=shape.conv_bias)  # weight (ch, K, 1)
         self.dt_bias = mx.ones((self.num_heads,))
         self.A_log = mx.zeros((self.num_heads,))
         self.D = mx.ones((self.num_heads,))
-        self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups,
-                                 args.layer_norm_epsilon)
-        self.out_proj = nn.Linear(self.intermediate_size, args.hidden_size, bias=args.use_bias)
+        if shape.norm_before_gate is not None:
+            self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups,
+                                     shape.norm_eps, shape.norm_before_gate)
+        self.out_proj = nn.Linear(self.intermediate_size, shape.hidden_size, bias=shape.out_proj_bias)
+
+    def project(self, h: mx.array) -> mx.array:
+        """h (b, T, hidden) -> [gate | conv rows | dt] (b, T, I + conv_dim + H)."""
+        return self.in_proj(h)
+
+    def gated_output(self, y: mx.array, gate: mx.array) -> mx.array:
+        """y, gate (b, T, I) -> what out_proj reads."""
+        if "norm" in self:
+            return self.norm(y, gate)
+        return (y.astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(y.dtype)
 
     def conv_input(self, rows: mx.array, cache: Optional[ArraysCache]) -> mx.array:
         """[conv state ; new rows]: (b, K-1+T, conv_dim); zeros as the state of a new sequence."""
@@ -224,11 +273,11 @@ class Mamba2Mixer(nn.Module):
                            axis=-1)
         x = x.reshape(b, T, self.num_heads, self.head_dim)
         B, C = (t.reshape(b, T, self.n_groups, self.state_size) for t in (B, C))
-        return x, discretize_dt(dt, self.dt_bias, self.time_step_min), B, C
+        return x, discretize_dt(dt, self.dt_bias, *self.time_step_limit), B, C
 
     def __call__(self, h: mx.array, cache: Optional[ArraysCache] = None) -> mx.array:
         b, T, _ = h.shape
-        gate, rows, dt = mx.split(self.in_proj(h), [self.intermediate_size, self.intermediate_size + self.conv_dim],
+        gate, rows, dt = mx.split(self.project(h), [self.intermediate_size, self.intermediate_size + self.conv_dim],
                                   axis=-1)
         conv_input = self.conv_input(rows, cache)  # (b, K-1+T, conv_dim)
         conv_out = nn.silu(causal_conv1d(conv_input, self.conv1d.weight, self.conv1d.get("bias")))
@@ -243,7 +292,7 @@ class Mamba2Mixer(nn.Module):
                 cache.record_rollback(T, replay, [cache[CONV_STATE], state])
             cache[CONV_STATE] = conv_input[:, T:]
             cache[SSM_STATE] = new_state
-        return self.out_proj(self.norm(y.reshape(b, T, -1), gate))
+        return self.out_proj(self.gated_output(y.reshape(b, T, -1), gate))
 
 
 class Attention(nn.Module):
@@ -334,7 +383,7 @@ class Block(nn.Module):
         self.block_type = args.layers_block_type[layer_idx]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.layer_norm_epsilon)
         if self.block_type == MAMBA:
-            self.mixer = Mamba2Mixer(args)
+            self.mixer = Mamba2Mixer(args.mamba_shape)
         elif self.block_type == ATTENTION:
             self.mixer = Attention(args)
         elif self.block_type == MOE:

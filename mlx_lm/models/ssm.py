@@ -227,16 +227,23 @@ def conv_state_after(conv_input: mx.array, num_tokens: int, kernel_size: int) ->
     return conv_input[:, num_tokens : num_tokens + kernel_size - 1]
 
 
-def gated_rms_norm(y: mx.array, gate: mx.array, weight: mx.array, group_size: int, eps: float) -> mx.array:
-    """Mamba-2's output norm (gate before the norm): rmsnorm(y * silu(gate)) over groups
-    of `group_size` channels, in fp32, cast back to y's dtype, times weight.
+def gated_rms_norm(y: mx.array, gate: mx.array, weight: mx.array, group_size: int, eps: float, *,
+                   norm_before_gate: bool = False) -> mx.array:
+    """Mamba-2's gated output norm over groups of `group_size` channels, in fp32, cast
+    back to y's dtype, times weight: rmsnorm(y * silu(gate)) (the default, as Mamba-2 and
+    Nemotron-H), or rmsnorm(y) * silu(gate) when `norm_before_gate`.
 
     y, gate (..., D), weight (D,), D a multiple of group_size -> (..., D)."""
     D = y.shape[-1]
     if D % group_size:
         raise ValueError(f"gated_rms_norm: {D} channels do not split into groups of {group_size}")
     gate = gate.astype(mx.float32)
-    h = y.astype(mx.float32) * (gate * mx.sigmoid(gate))
+    silu_gate = gate * mx.sigmoid(gate)
+    h = y.astype(mx.float32)
+    if not norm_before_gate:
+        h = h * silu_gate
     h = h.reshape(*h.shape[:-1], D // group_size, group_size)  # (..., groups, group_size)
     h = mx.fast.rms_norm(h, None, eps).reshape(*y.shape)
+    if norm_before_gate:
+        h = h * silu_gate
     return weight * h.astype(y.dtype)
