@@ -79,6 +79,16 @@ def test_dialects_normalise_alike():
     assert "layers_block_type" not in saved and saved["hybrid_override_pattern"] == "M*M-"
 
 
+def test_older_spellings_are_read_and_must_agree():
+    args = ModelArgs.from_dict(dict(ARGS, n_groups=None, hybrid_override_pattern="M", mamba_n_groups=4, mamba_d_conv=3,
+                                    mamba_conv_bias=False, mamba_dt_min=0.01))
+    assert (args.n_groups, args.conv_kernel, args.use_conv_bias, args.time_step_min) == (4, 3, False, 0.01)
+    defaults = ModelArgs.from_dict(dict(ARGS, n_groups=None, hybrid_override_pattern="M", mamba_num_heads=8))
+    assert (defaults.n_groups, defaults.conv_kernel, defaults.use_conv_bias, defaults.time_step_min) == (8, 4, True, 0.001)
+    with pytest.raises(ValueError, match="n_groups \\(2\\) and its older spelling mamba_n_groups \\(4\\) disagree"):
+        ModelArgs.from_dict(dict(ARGS, hybrid_override_pattern="M", mamba_n_groups=4))
+
+
 def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="unknown characters \\['X'\\]"):
         ModelArgs.from_dict(dict(ARGS, hybrid_override_pattern="M*X"))

@@ -47,6 +47,14 @@ from .switch_layers import SwitchLinear
 MAMBA, ATTENTION, MLP_BLOCK, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN_KINDS = {"M": MAMBA, "*": ATTENTION, "-": MLP_BLOCK, "E": MOE}
 LEGACY_KINDS = {"mamba": MAMBA, "attention": ATTENTION}  # older layers_block_type names
+# Fields that configs also spell the older way (transformers accepts both): field ->
+# (older name, default).
+ALIASES = {
+    "n_groups": ("mamba_n_groups", 8),
+    "conv_kernel": ("mamba_d_conv", 4),
+    "use_conv_bias": ("mamba_conv_bias", True),
+    "time_step_min": ("mamba_dt_min", 0.001),
+}
 # Slots of a Mamba-2 layer's ArraysCache.
 CONV_STATE, SSM_STATE = 0, 1
 
@@ -92,14 +100,14 @@ class ModelArgs(BaseModelArgs):
     num_hidden_layers: Optional[int] = None
     head_dim: int = 128  # transformers' default
     intermediate_size: Optional[int] = None  # MLP blocks
-    n_groups: int = 8
-    conv_kernel: int = 4
-    use_conv_bias: bool = True
+    n_groups: Optional[int] = None  # these four default as ALIASES says
+    conv_kernel: Optional[int] = None
+    use_conv_bias: Optional[bool] = None
     use_bias: bool = False  # in_proj / out_proj of the Mamba-2 mixers
     mlp_bias: bool = False
     mlp_hidden_act: str = "relu2"
     mamba_hidden_act: str = "silu"
-    time_step_min: float = 0.001
+    time_step_min: Optional[float] = None
     layer_norm_epsilon: float = 1e-5
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
@@ -110,8 +118,13 @@ class ModelArgs(BaseModelArgs):
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
+    mamba_n_groups: Optional[int] = None  # older spellings (ALIASES)
+    mamba_d_conv: Optional[int] = None
+    mamba_conv_bias: Optional[bool] = None
+    mamba_dt_min: Optional[float] = None
 
     def __post_init__(self):
+        self._resolve_aliases()
         if self.layers_block_type is not None:
             self.layers_block_type = [LEGACY_KINDS.get(kind, kind) for kind in self.layers_block_type]
         elif self.hybrid_override_pattern is not None:
@@ -127,6 +140,13 @@ class ModelArgs(BaseModelArgs):
         if self.num_hidden_layers is None:
             self.num_hidden_layers = len(self.layers_block_type)
         self._validate()
+
+    def _resolve_aliases(self):
+        for name, (alias, default) in ALIASES.items():
+            value, other = getattr(self, name), getattr(self, alias)
+            if value is not None and other is not None and value != other:
+                raise ValueError(f"{name} ({value!r}) and its older spelling {alias} ({other!r}) disagree")
+            setattr(self, name, default if value is None and other is None else (other if value is None else value))
 
     def _validate(self):
         kinds = self.layers_block_type
