@@ -310,7 +310,7 @@ class Mamba2Mixer(nn.Module):
             if cache.speculating:
                 replay = partial(replay_prefix, conv_input, x, dt, A, B, state, self.conv_kernel_size)
                 cache.record_rollback(T, replay, [cache[CONV_STATE], state])
-            cache[CONV_STATE] = conv_input[:, T:]
+            cache[CONV_STATE] = conv_state_after(conv_input, T, self.conv_kernel_size)
             cache[SSM_STATE] = new_state
         return self.out_proj(self.gated_output(y.reshape(b, T, -1), gate))
 
