@@ -10,7 +10,12 @@ What differs from llama:
   depthwise causal conv1d with bias and silu; dt = max(softplus(dt + dt_bias),
   time_step_min); the SSD recurrence with A = -exp(A_log) and a D skip; a gated RMSNorm
   over `n_groups` groups; out_proj. Their cache is an `ArraysCache(2)`: conv state,
-  SSM state (fp32).
+  SSM state (fp32). transformers clamps dt only on its multi-token path; we clamp on
+  every path, so prefill, verify and decode compute one recurrence (they differ only
+  where softplus(dt + dt_bias) < time_step_min).
+- While the cache speculates, each Mamba-2 layer records its pre-forward states and
+  the per-token recurrence inputs (conv input, x, dt, B); a rollback to m tokens
+  replays m steps (`replay_prefix`, DESIGN.md §2).
 - Attention has no positional encoding (the Mamba layers carry order) and no biases.
 - MLPs are not gated: down(relu(up(x))^2). MoE: a sigmoid router with a score
   correction bias and group-limited top-k, non-gated relu^2 experts (optionally in a
