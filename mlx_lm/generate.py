@@ -836,6 +836,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", type=str, default=DEFAULT_MODEL,
                         help="Local model directory or Hugging Face repo id")
+    parser.add_argument("--adapter-path", type=str, default=None,
+                        help="LoRA/DoRA adapters for --model (adapter_config.json + adapters.safetensors)")
     parser.add_argument("--extra-eos-token", type=str, nargs="+", default=(),
                         help="Extra tokens (strings or ids) that end generation")
     parser.add_argument("--system-prompt", default=None, help="System prompt for the chat template")
@@ -925,7 +927,7 @@ def run(args: argparse.Namespace) -> str:
     from .cache_prompt import load_cached_prompt
     from .utils import compute_dtype, load, parameter_dtypes
 
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype)
     draft_model = None
     if args.draft_model is not None:
         draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype)
