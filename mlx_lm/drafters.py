@@ -773,10 +773,12 @@ class MTPHead(Drafter):
 
     def prefill_with_target(
         self, prompt: mx.array, prefill_step_size: int, progress: Callable[[int, int], None],
-        quantize_kv: Callable[[List[Any]], None],
+        quantize_kv: Callable[[List[Any]], None], *, feed_last_pair: bool = False,
     ) -> None:
         """Feed the target all prompt tokens but the last, in chunks, and after each
-        chunk the head the pairs whose next token the target has now seen."""
+        chunk the head the pairs whose next token the target has now seen.
+        `feed_last_pair`: also the pair of the last token the target holds (a prompt
+        cache filled for a later run that starts after the prompt, as the server's)."""
         tokens, total = prompt.tolist(), prompt.size
         while self.target.num_fed < total - 1:
             start = self.target.num_fed
@@ -789,6 +791,8 @@ class MTPHead(Drafter):
             progress(end, total)
             mx.clear_cache()
         self.target.num_held, self.target.num_fed = total - 1, 0
+        if feed_last_pair:
+            self._feed_pairs(tokens, total - 1)
 
     def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
         """Prefills the target too (see prefill_with_target)."""

@@ -331,3 +331,25 @@ def test_cli_mtp_prints_the_same_text(checkpoints):
     assert plain == with_mtp and plain.strip()
     verbose = run("--mtp", "--num-draft-tokens", "2")
     assert "Speculation:" in verbose and "draft tokens accepted" in verbose
+
+
+def test_server_mtp_answers_like_plain_serving_and_keeps_the_head_cache(checkpoints):
+    """In-process worker of mlx_lm.server --mtp: the same answers as plain serving, a
+    second turn continues the stored cache (target and head entries)."""
+    from test_server import run_job, user
+
+    from mlx_lm.serving import GenerationWorker, ModelProvider
+
+    directory = str(checkpoints["qwen3_5"])
+    answers = {}
+    for mtp in (False, True):
+        provider = ModelProvider(directory, None, False, 10, 1 << 40, None, mtp=mtp)
+        worker = GenerationWorker(provider, default_num_draft_tokens=2, fixed_draft_length=True)
+        first = run_job(worker, {"messages": user("hello there"), "max_tokens": 16})
+        messages = user("hello there") + [{"role": "assistant", "content": first.text}] + user("and again")
+        second = run_job(worker, {"messages": messages, "max_tokens": 16})
+        answers[mtp] = (first.text, second.text)
+        if mtp:
+            assert first.speculation.num_drafted > 0 and second.cached_tokens > 0
+            assert len(provider.default.make_cache()) == len(provider.default.model.layers) + 1
+    assert answers[True] == answers[False]
