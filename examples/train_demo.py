@@ -1,7 +1,7 @@
 """Train the demo pair in examples/models/: a Gated-DeltaNet hybrid target and a small
 dense draft distilled to agree with it, sharing one byte-level BPE tokenizer.
 
-    python examples/train_demo.py [--out examples/models] [--threads 1]
+    python examples/train_demo.py [--out examples/models] [--threads 1] [--stage all|draft|mtp]
 
 A build tool, not part of the library: it uses torch (CPU), transformers
 (Qwen3NextForCausalLM, Qwen3ForCausalLM) and tokenizers, none of which mlx_lm needs at
@@ -26,6 +26,11 @@ Stages (each seeded, so a rerun with the same versions gives the same files):
    continuations (what a greedy speculative run asks it to guess) of two kinds of
    corpus prompts: random windows, and short windows that begin a line, as a user's
    prompt does.
+5. MTP head (`--stage mtp` retrains only it): the target's multi-token-prediction head
+   (`mtp.*`, one full-attention layer, as the Qwen3-Next checkpoints carry), the target
+   frozen: from its post-norm hidden state h_t and the teacher-forced token x_{t+1} it
+   learns the target's own law of x_{t+2} (KL on corpus windows); added to the target's
+   safetensors (float16) with `num_nextn_predict_layers: 1` in its config.
 Both are saved as transformers writes them (config.json, model.safetensors in float16,
 generation_config.json) plus tokenizer.json / tokenizer_config.json, so transformers,
 this library and upstream mlx-lm load the same files. The qwen3_next config also carries
