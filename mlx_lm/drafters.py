@@ -1,9 +1,11 @@
 """Drafting for speculative decoding: the drafters, the acceptance rules and the draft length.
 
 Drafters (DESIGN.md §3a) propose the next tokens of a sequence for the target to verify:
-`DraftModel` (a smaller model sharing the target's tokenizer) and `PromptLookup`
-(n-gram lookup in the tokens seen so far, no model). The loop that verifies, accepts,
-rolls back and reports (generate.speculative_generate_step) is written once for all.
+`DraftModel` (a smaller model sharing the target's tokenizer), `PromptLookup`
+(n-gram lookup in the tokens seen so far, no model) and `MTPHead` (the target's own
+multi-token-prediction head, fed the target's hidden states). The loop that verifies,
+accepts, rolls back and reports (generate.speculative_generate_step) is written once
+for all.
 
 Speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023,
 arXiv:2302.01318): the draft proposes x_1..x_K, each drawn from its law q_i; the

@@ -213,7 +213,9 @@ def generate_step(
         )
         return
     if num_draft_tokens is not None:
-        raise ValueError("num_draft_tokens needs prompt_lookup=True or mtp=True (or a draft model: speculative_generate_step)")
+        raise ValueError(
+            "num_draft_tokens needs prompt_lookup=True or mtp=True (or a draft model: speculative_generate_step)"
+        )
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if prompt_cache is None:
         prompt_cache = cache.make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -560,8 +562,8 @@ def speculative_generate_step(
       wrap a CategoricalSampler in a plain function.
     Rejected tokens are rolled back exactly on every cache kind (DESIGN.md §2).
     `prompt_cache` is the target's entries followed by the draft model's or the MTP
-    head's (`model.make_mtp_cache()`; none for other drafters). `stats` (optional) receives the counts; `kv_bits` etc. quantize KV
-    caches as in `generate_step`. A draft model must use the target's tokenizer (the
+    head's (`model.make_mtp_cache()`; none for other drafters). `stats` (optional)
+    receives the counts; `kv_bits` etc. quantize KV caches as in `generate_step`. A draft model must use the target's tokenizer (the
     loaders check it with check_same_tokenizer); its embedding table may be padded to
     another size: it proposes only ids both tables hold, and is fed 0 for any id
     beyond its table.
@@ -726,7 +728,8 @@ def stream_generate(
     prompt = _encode_prompt(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     stats = None
-    if draft_model is None and not kwargs.get("prompt_lookup") and not kwargs.get("mtp") and kwargs.get("drafter") is None:
+    drafting = draft_model is not None or kwargs.get("prompt_lookup") or kwargs.get("mtp")
+    if not drafting and kwargs.get("drafter") is None:
         if "num_draft_tokens" in kwargs:
             raise ValueError("num_draft_tokens needs a draft_model, prompt_lookup=True, mtp=True or a drafter")
         kwargs.pop("drafter", None)

@@ -178,7 +178,10 @@ def test_the_head_loads_and_leaves_plain_output_alone(checkpoints, family, tmp_p
     assert any(k.endswith("mtp.fc.weight") for k in mtp_keys)
     # Without the head (neither weights nor config entry) the logits are the same.
     config = json.loads((checkpoints[family] / "config.json").read_text())
-    (config.get("text_config") or config).pop("mtp_num_hidden_layers" if "text_config" in config else "num_nextn_predict_layers")
+    if "text_config" in config:
+        config["text_config"].pop("mtp_num_hidden_layers")
+    else:
+        config.pop("num_nextn_predict_layers")
     write_hf(tmp_path, config, {k: v for k, v in raw.items() if not k.startswith("mtp.")})
     headless, _ = load_model(tmp_path)
     assert headless.mtp_head is None
@@ -353,3 +356,18 @@ def test_server_mtp_answers_like_plain_serving_and_keeps_the_head_cache(checkpoi
             assert first.speculation.num_drafted > 0 and second.cached_tokens > 0
             assert len(provider.default.make_cache()) == len(provider.default.model.layers) + 1
     assert answers[True] == answers[False]
+
+
+def test_the_demo_target_drafts_for_itself():
+    """examples/models/qwen3-next-stdlib carries a trained head (train_demo.py --stage mtp)."""
+    from mlx_lm import load, stream_generate
+
+    demo = Path(__file__).resolve().parent.parent / "examples" / "models" / "qwen3-next-stdlib"
+    model, tokenizer = load(str(demo))
+    prompt = tokenizer.encode("def fibonacci(n):")
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=48)]
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=48, mtp=True, num_draft_tokens=2,
+                                     adaptive_draft_length=False))
+    assert [r.token for r in responses] == plain
+    stats = responses[-1].speculation
+    assert stats.acceptance_rate > 0.5 and stats.num_target_forwards <= len(plain) / 1.5, stats
