@@ -371,3 +371,22 @@ def test_the_demo_target_drafts_for_itself():
     assert [r.token for r in responses] == plain
     stats = responses[-1].speculation
     assert stats.acceptance_rate > 0.5 and stats.num_target_forwards <= len(plain) / 1.5, stats
+    # 8-bit KV caches, the head's included: the tokens of plain decoding with them.
+    quantized = dict(kv_bits=8, kv_group_size=64, max_tokens=24)
+    want = [r.token for r in stream_generate(model, tokenizer, prompt, **quantized)]
+    assert [r.token for r in stream_generate(model, tokenizer, prompt, mtp=True, **quantized)] == want
+
+
+def test_a_second_turn_continues_the_prompt_cache(checkpoints):
+    """A run continuing a speculative prompt cache (target and head entries) gives the
+    tokens plain decoding gives from the same cache."""
+    model = load_family(checkpoints, "qwen3_next")
+    caches = {name: make_prompt_cache(model) + (model.make_mtp_cache() if name == "mtp" else [])
+              for name in ("plain", "mtp")}
+    for turn in ([5, 6, 7, 8], [9, 10, 11]):
+        kwargs = dict(mtp=True, num_draft_tokens=2, adaptive_draft_length=False, prompt_cache=caches["mtp"])
+        got = [t for t, *_ in speculative_generate_step(mx.array(PROMPT + turn), model, max_tokens=12, **kwargs)]
+        want = [t for t, _ in generate_step(mx.array(PROMPT + turn), model, max_tokens=12,
+                                            prompt_cache=caches["plain"])]
+        assert got == want
+    assert caches["mtp"][-1].offset > 0
