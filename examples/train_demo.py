@@ -1,7 +1,7 @@
 """Train the demo pair in examples/models/: a Gated-DeltaNet hybrid target and a small
 dense draft distilled to agree with it, sharing one byte-level BPE tokenizer.
 
-    python examples/train_demo.py [--out examples/models] [--threads 1]
+    python examples/train_demo.py [--out examples/models] [--threads 1] [--stage all|draft|mtp]
 
 A build tool, not part of the library: it uses torch (CPU), transformers
 (Qwen3NextForCausalLM, Qwen3ForCausalLM) and tokenizers, none of which mlx_lm needs at
@@ -26,6 +26,11 @@ Stages (each seeded, so a rerun with the same versions gives the same files):
    continuations (what a greedy speculative run asks it to guess) of two kinds of
    corpus prompts: random windows, and short windows that begin a line, as a user's
    prompt does.
+5. MTP head (`--stage mtp` retrains only it): the target's multi-token-prediction head
+   (`mtp.*`, one full-attention layer, as the Qwen3-Next checkpoints carry), the target
+   frozen: from its post-norm hidden state h_t and the teacher-forced token x_{t+1} it
+   learns the target's own law of x_{t+2} (KL on corpus windows); added to the target's
+   safetensors (float16) with `num_nextn_predict_layers: 1` in its config.
 Both are saved as transformers writes them (config.json, model.safetensors in float16,
 generation_config.json) plus tokenizer.json / tokenizer_config.json, so transformers,
 this library and upstream mlx-lm load the same files. The qwen3_next config also carries
@@ -366,6 +371,115 @@ def train_draft(target, tok, train_ids, args):
     return draft, info
 
 
+# --- 5. MTP head -------------------------------------------------------------------
+
+
+class MTPHead(torch.nn.Module):
+    """The multi-token-prediction head in the checkpoint layout (`mtp.*`): for position
+    t, fc(concat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)]), one
+    full-attention decoder layer like the target's (rope at position t), `norm`, then
+    the target's tied lm_head; it predicts x_{t+2}. h_t is the target's final hidden
+    state after its final norm. The norms are the family's zero-centred ones."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        attention_layer = config.layer_types.index("full_attention")
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = qn.Qwen3NextRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = qn.Qwen3NextRMSNorm(hidden, eps)
+        self.layers = torch.nn.ModuleList([qn.Qwen3NextDecoderLayer(config, attention_layer)])
+        self.norm = qn.Qwen3NextRMSNorm(hidden, eps)
+        self.rotary = qn.Qwen3NextRotaryEmbedding(config)
+
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embedded (B, T, H) = embed(x_{t+1}), hidden (B, T, H) = h_t -> (B, T, H) after `norm`."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))
+        positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+        x = self.layers[0](x, position_embeddings=self.rotary(x, positions), attention_mask=None)
+        return self.norm(x)
+
+
+def mtp_step(head, target, opt, batch) -> Tuple[float, float]:
+    """KL(target || head) for x_{t+2} on every position of `batch` (B, T): the target's
+    own law after x_{t+1} (its logits at t+1) is the teacher, the head sees h_t and the
+    teacher-forced x_{t+1}. Returns (loss, argmax agreement)."""
+    with torch.no_grad(), autocast():
+        hidden = target.model(input_ids=batch).last_hidden_state.float()  # post-norm
+        teacher = target.lm_head(hidden).float()[:, 1:]  # (B, T-1, V): laws of x_{t+2}
+        embedded = target.model.embed_tokens(batch[:, 1:]).float()
+    with autocast():
+        student = target.lm_head(head(embedded, hidden[:, :-1])).float()
+    loss = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
+    agreement = float((student.argmax(-1) == teacher.argmax(-1)).float().mean())
+    return optimizer_step(head, opt, loss / student.shape[1]), agreement
+
+
+def train_mtp(target, train_ids, val_ids, args):
+    """Train the head on corpus windows with the backbone frozen."""
+    for p in target.parameters():
+        p.requires_grad_(False)
+    target.eval()
+    config = target.config
+    config._attn_implementation = "sdpa"  # causal without a mask (eager would need one)
+    torch.manual_seed(args.seed + 7)
+    head = MTPHead(config)
+    params = sum(p.numel() for p in head.parameters())
+    log(f"mtp head: {params / 1e6:.2f}M parameters")
+    opt = torch.optim.AdamW(head.parameters(), lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    batches = Batches(train_ids, args.seed + 8)
+    start, history, agreements = time.time(), [], []
+    for step in range(args.mtp_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.mtp_steps, args.mtp_lr, args.warmup)
+        loss, agreement = mtp_step(head, target, opt, batches(args.batch, args.seq_len))
+        history.append(loss)
+        agreements.append(agreement)
+        if step % 25 == 0 or step == args.mtp_steps - 1:
+            log(f"mtp step {step}/{args.mtp_steps} KL {np.mean(history[-25:]):.3f} "
+                f"argmax agreement {np.mean(agreements[-25:]):.3f}")
+    seconds = time.time() - start
+    head.eval()
+    with torch.no_grad():
+        val_batch = Batches(val_ids, args.seed + 9)(8, args.seq_len)
+        _, val_agreement = mtp_eval(head, target, val_batch)
+    log(f"mtp done in {seconds / 60:.1f} min; held-out argmax agreement with the target {val_agreement:.3f}")
+    info = dict(parameters=params, steps=args.mtp_steps, minutes=seconds / 60, peak_lr=args.mtp_lr,
+                train_kl=float(np.mean(history[-50:])), train_agreement=float(np.mean(agreements[-50:])),
+                heldout_agreement=val_agreement)
+    return head, info
+
+
+@torch.no_grad()
+def mtp_eval(head, target, batch) -> Tuple[float, float]:
+    with autocast():
+        hidden = target.model(input_ids=batch).last_hidden_state.float()
+        teacher = target.lm_head(hidden).float()[:, 1:]
+        student = target.lm_head(head(target.model.embed_tokens(batch[:, 1:]).float(), hidden[:, :-1])).float()
+    return 0.0, float((student.argmax(-1) == teacher.argmax(-1)).float().mean())
+
+
+def save_mtp(head, directory: Path) -> int:
+    """Add the head to the target's checkpoint as `mtp.*` (float16, the layout of the
+    Qwen3-Next checkpoints), leaving every other tensor as it was, and declare it in
+    config.json (`num_nextn_predict_layers`)."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if not k.startswith("mtp.")}
+    for name, value in head.state_dict().items():
+        if not name.startswith("rotary."):
+            tensors["mtp." + name] = value.to(torch.float16).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return sum(f.stat().st_size for f in directory.iterdir())
+
+
 # --- saving --------------------------------------------------------------------------
 
 
@@ -402,8 +516,9 @@ def main():
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "models")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stage", choices=["all", "draft"], default="all",
-                        help="'draft': keep the saved tokenizer and target, retrain the draft")
+    parser.add_argument("--stage", choices=["all", "draft", "mtp"], default="all",
+                        help="'draft': keep the saved tokenizer and target, retrain the draft; "
+                        "'mtp': keep them and the draft, retrain only the target's MTP head")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=40)
@@ -416,6 +531,8 @@ def main():
     parser.add_argument("--gen-batch", type=int, default=32)
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=96)
+    parser.add_argument("--mtp-steps", type=int, default=700)
+    parser.add_argument("--mtp-lr", type=float, default=2e-3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target_dir, draft_dir = args.out / TARGET_NAME, args.out / DRAFT_NAME
@@ -434,8 +551,9 @@ def main():
 
         tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
         summary = json.loads(log_path.read_text())
-        summary.pop("total_minutes", None)  # of the run that made the old draft
-    summary["args"] = {k: str(v) for k, v in vars(args).items()}
+        if args.stage == "draft":
+            summary.pop("total_minutes", None)  # of the run that made the old draft
+    summary["mtp_args" if args.stage == "mtp" else "args"] = {k: str(v) for k, v in vars(args).items()}
     tokenizer = wrap_tokenizer(tok)
     train_ids, val_ids = encode_stream(tok, train_texts), encode_stream(tok, val_texts)
     log(f"tokens: {len(train_ids)} train, {len(val_ids)} validation ({corpus['bytes'] / (len(train_ids) + len(val_ids)):.2f} bytes/token)")
@@ -447,13 +565,17 @@ def main():
                              partial_rotary_factor=TARGET_CONFIG["rope_parameters"]["partial_rotary_factor"],
                              full_attention_interval=4)
         summary["target"]["bytes"] = save(target, tokenizer, target_dir, upstream_keys)
-    # The draft learns from the target as shipped (float16 weights, computed in float32).
+    # The draft and the head learn from the target as shipped (float16 weights, computed in float32).
     target = load_target(target_dir)
-    summary["target"]["val_loss_float16_weights"] = eval_loss(target, val_ids)
-    draft, summary["draft"] = train_draft(target, tok, train_ids, args)
-    summary["draft"]["bytes"] = save(draft, tokenizer, draft_dir)
+    if args.stage != "mtp":
+        summary["target"]["val_loss_float16_weights"] = eval_loss(target, val_ids)
+        draft, summary["draft"] = train_draft(target, tok, train_ids, args)
+        summary["draft"]["bytes"] = save(draft, tokenizer, draft_dir)
+    if args.stage != "draft":
+        head, summary["mtp"] = train_mtp(target, train_ids, val_ids, args)
+        summary["mtp"]["target_bytes_with_head"] = save_mtp(head, target_dir)
     minutes = (time.time() - started) / 60
-    summary["total_minutes" if args.stage == "all" else "draft_stage_minutes"] = minutes
+    summary[{"all": "total_minutes", "draft": "draft_stage_minutes", "mtp": "mtp_stage_minutes"}[args.stage]] = minutes
     log_path.write_text(json.dumps(summary, indent=2) + "\n")
     log(f"done in {minutes:.1f} min: {target_dir} ({summary['target']['bytes'] / 1e6:.1f} MB), "
         f"{draft_dir} ({summary['draft']['bytes'] / 1e6:.1f} MB)")

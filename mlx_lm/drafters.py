@@ -1,9 +1,11 @@
 """Drafting for speculative decoding: the drafters, the acceptance rules and the draft length.
 
 Drafters (DESIGN.md §3a) propose the next tokens of a sequence for the target to verify:
-`DraftModel` (a smaller model sharing the target's tokenizer) and `PromptLookup`
-(n-gram lookup in the tokens seen so far, no model). The loop that verifies, accepts,
-rolls back and reports (generate.speculative_generate_step) is written once for all.
+`DraftModel` (a smaller model sharing the target's tokenizer), `PromptLookup`
+(n-gram lookup in the tokens seen so far, no model) and `MTPHead` (the target's own
+multi-token-prediction head, fed the target's hidden states). The loop that verifies,
+accepts, rolls back and reports (generate.speculative_generate_step) is written once
+for all.
 
 Speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023,
 arXiv:2302.01318): the draft proposes x_1..x_K, each drawn from its law q_i; the
@@ -22,7 +24,7 @@ when drafting would lose.
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -205,6 +207,21 @@ class Drafter:
         raise NotImplementedError
 
 
+def draw_draft(
+    logits: mx.array, sequence: List[int], proposals: List[mx.array], sampler: Callable[[mx.array], mx.array],
+    processors: Processors,
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """Draw the next draft token (1,) uint32 from a drafter's logits (1, V), which the
+    processors see after `sequence` and the `proposals` so far; with a
+    CategoricalSampler also the law (1, V) it was drawn from (else None)."""
+    history = mx.concatenate([mx.array(sequence), *proposals]) if processors else None
+    logprobs = processed_logprobs(logits, history, mx.array([], mx.uint32), processors)
+    if not isinstance(sampler, CategoricalSampler):
+        return sampler(logprobs).astype(mx.uint32), None
+    law = sampler.distribution(logprobs)
+    return mx.random.categorical(law).astype(mx.uint32), law
+
+
 class DraftModel(Drafter):
     """A smaller model with the target's tokenizer drafts: k single-token forwards a
     round, each token drawn by the run's sampler (from the law q the sampler gives,
@@ -233,14 +250,9 @@ class DraftModel(Drafter):
         inputs = mx.array(sequence[self.side.num_held :], mx.uint32)
         for _ in range(num_draft):
             logits = self.side.forward(inputs)[-1:]
-            history = mx.concatenate([mx.array(sequence), *proposals]) if processors else None
-            logprobs = processed_logprobs(logits, history, mx.array([], mx.uint32), processors)
-            if explicit:
-                laws.append(sampler.distribution(logprobs))
-                token = mx.random.categorical(laws[-1])
-            else:
-                token = sampler(logprobs)
-            proposals.append(token.astype(mx.uint32))
+            token, law = draw_draft(logits, sequence, proposals, sampler, processors)
+            proposals.append(token)
+            laws.append(law)
             # Start computing each draft as soon as it is built, so building the next
             # step overlaps it (measured 6-12% faster per round than one eval).
             mx.async_eval(proposals[-1])
@@ -689,3 +701,173 @@ class DraftLengthPolicy:
         if not 0 <= candidate <= self.max_draft_tokens:
             candidate = k - 1 if upward else k + 1
         return min(max(candidate, 0), self.max_draft_tokens)
+
+
+# ---------------------------------------------------------------------------
+# Multi-token prediction: the target's own MTP head drafts
+# ---------------------------------------------------------------------------
+
+
+class HiddenStates:
+    """The target's final hidden states (after its final norm) at run positions, kept
+    from each forward until the MTP head has taken them in.
+
+    A forward that starts at position b finds the target holding b tokens, so rows kept
+    for positions >= b belonged to tokens since trimmed: they are dropped then, and the
+    records stay disjoint and in order."""
+
+    def __init__(self):
+        self.records: List[Tuple[int, mx.array]] = []  # (first position, rows (T, H))
+
+    def add(self, start: int, rows: mx.array) -> None:
+        kept = [(begin, old[: start - begin]) for begin, old in self.records if begin < start]
+        self.records = kept + [(start, rows)]
+
+    def rows(self, start: int, stop: int) -> mx.array:
+        """(stop - start, H): the rows of positions start..stop-1, all of them kept."""
+        pieces = []
+        for begin, rows in self.records:
+            low, high = max(start, begin), min(stop, begin + rows.shape[0])
+            if low < high:
+                pieces.append(rows[low - begin : high - begin])
+        assert sum(p.shape[0] for p in pieces) == stop - start, (start, stop, [(b, r.shape) for b, r in self.records])
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+
+    def forget_before(self, position: int) -> None:
+        self.records = [(b, r) for b, r in self.records if b + r.shape[0] > position]
+
+
+@dataclass
+class HiddenCachedModel(CachedModel):
+    """The target of an MTP run: each forward also keeps its final hidden states
+    (`model.hidden_and_logits`) for the head, by run position."""
+
+    hidden: HiddenStates = field(default_factory=HiddenStates)
+
+    def forward(self, tokens: mx.array) -> mx.array:
+        start = self.num_held + self.num_fed
+        hidden, logits = self.model.hidden_and_logits(tokens[None], cache=self.cache)
+        self.num_fed += tokens.size
+        self.hidden.add(start, hidden[0])
+        return logits[0]  # the target's own table: no columns to fix
+
+
+def check_mtp_head(model: nn.Module) -> None:
+    """Raise ValueError unless `model` carries a one-layer multi-token-prediction head."""
+    # Families written for upstream mlx-lm do not declare the attribute: they have no head.
+    head = model.mtp_head if getattr(type(model), "supports_mtp", False) else None
+    if head is None:
+        raise ValueError(
+            f"mtp=True needs a multi-token-prediction head, but this {model.args.model_type} model "
+            f"({type(model).__module__}) has none: "
+            "its checkpoint has no mtp.* weights (mtp.fc.weight, mtp.pre_fc_norm_embedding.weight, "
+            "mtp.pre_fc_norm_hidden.weight, mtp.norm.weight, mtp.layers.0.*) or its config declares no head "
+            "(num_nextn_predict_layers, or mtp_num_hidden_layers in text_config); use a draft model or "
+            "prompt lookup instead"
+        )
+    if len(head.layers) != 1:
+        raise ValueError(f"MTP drafting runs heads of one layer; this head has {len(head.layers)}")
+
+
+class MTPHead(Drafter):
+    """The target's multi-token-prediction head drafts (models/qwen3_next.py:
+    MultiTokenPredictor): pair i of the run is (sequence[i+1], h_i), h_i the target's
+    final hidden state at position i, and the head's output after pair i predicts
+    sequence[i+2]. The first draft comes from the pair of the last token the target
+    holds; each further one from the head's own output hidden state and the token it
+    just drafted, drawn by the run's sampler as DraftModel does (its law q for
+    speculative sampling).
+
+    The head's KV cache (`cache`) holds the true pairs (target hidden states) of the
+    committed tokens: the pairs made while drafting are given back in settle(), and
+    the target's hidden states of the accepted tokens are fed at the next propose, in
+    one forward with the pair that drafts. So the head needs the target's hidden
+    states: `target` is the run's target (a HiddenCachedModel) and `prefill_with_target`
+    feeds both. After finish(tokens) the head holds the pairs of `tokens`: one entry
+    fewer than the target, which the loop brings to `tokens`. A run that continues a
+    prompt cache lacks the target's hidden state at the cache's last token, so the
+    head's entries skip that one pair (later drafts may be a little worse; the output is
+    the target's either way)."""
+
+    def __init__(self, model: nn.Module, target_cache: List[Any], head_cache: List[Any], num_columns: int):
+        check_mtp_head(model)
+        self.model = model
+        self.target = HiddenCachedModel(model, target_cache, num_columns, num_columns)
+        self.cache = head_cache
+        self.num_pairs = 0  # the head holds pairs 0..num_pairs-1 of this run
+        self.num_drafting = 0  # entries it was fed while drafting, beyond them
+
+    def prefill_with_target(
+        self, prompt: mx.array, prefill_step_size: int, progress: Callable[[int, int], None],
+        quantize_kv: Callable[[List[Any]], None], *, feed_last_pair: bool = False,
+    ) -> None:
+        """Feed the target all prompt tokens but the last, in chunks, and after each
+        chunk the head the pairs whose next token the target has now seen.
+        `feed_last_pair`: also the pair of the last token the target holds (a prompt
+        cache filled for a later run that starts after the prompt, as the server's)."""
+        tokens, total = prompt.tolist(), prompt.size
+        while self.target.num_fed < total - 1:
+            start = self.target.num_fed
+            end = min(start + prefill_step_size, total - 1)
+            self.target.forward(prompt[start:end])
+            self._feed_pairs(tokens, end - 1)
+            quantize_kv(self.target.cache)
+            quantize_kv(self.cache)
+            mx.eval([c.state for c in self.target.cache + self.cache])
+            progress(end, total)
+            mx.clear_cache()
+        self.target.num_held, self.target.num_fed = total - 1, 0
+        if feed_last_pair:
+            self._feed_pairs(tokens, total - 1)
+
+    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
+        """Prefills the target too (see prefill_with_target)."""
+        self.prefill_with_target(prompt, prefill_step_size, lambda done, total: None, quantize_kv)
+
+    def can_draft(self, sequence: List[int]) -> bool:
+        return len(sequence) - 1 > self.num_pairs
+
+    def propose(
+        self, sequence: List[int], num_draft: int, sampler: Callable[[mx.array], mx.array], processors: Processors
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        explicit = isinstance(sampler, CategoricalSampler)
+        proposals, laws = [], []
+        hidden, logits = self._feed_pairs(sequence, len(sequence) - 1)  # (1, 1, H), (1, V)
+        for _ in range(num_draft):
+            if proposals:  # the head again, on its own output and its last draft
+                hidden, logits = self.model.mtp_forward(proposals[-1][None], hidden, self.cache)
+                logits = logits[0]
+                self.num_drafting += 1
+            token, law = draw_draft(logits, sequence, proposals, sampler, processors)
+            proposals.append(token)
+            laws.append(law)
+            mx.async_eval(proposals[-1])
+        return mx.concatenate(proposals), mx.concatenate(laws) if explicit else None
+
+    def settle(self, tokens: List[int]) -> None:
+        # The pairs of the newly accepted tokens are fed by the next propose.
+        self._hold(tokens)
+
+    def finish(self, tokens: List[int]) -> None:
+        self._hold(tokens)
+        self._feed_pairs(tokens, len(tokens) - 1)
+
+    def _hold(self, tokens: List[int]) -> None:
+        """Give back the drafting entries, and the pairs beyond those of `tokens`."""
+        excess = max(self.num_pairs - max(len(tokens) - 1, 0), 0)
+        trim_prompt_cache(self.cache, self.num_drafting + excess)
+        self.num_pairs -= excess
+        self.num_drafting = 0
+
+    def _feed_pairs(self, sequence: List[int], stop: int) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        """Feed the pairs num_pairs..stop-1 in one forward (lazy); returns the head's
+        output hidden state (1, 1, H) and logits (1, V) after the last, or (None, None)
+        if none was missing."""
+        if stop <= self.num_pairs:
+            return None, None
+        hidden = self.target.hidden.rows(self.num_pairs, stop)
+        tokens = mx.array(sequence[self.num_pairs + 1 : stop + 1], mx.uint32)
+        out, logits = self.model.mtp_forward(tokens[None], hidden[None], self.cache)
+        self.num_pairs = stop
+        self.target.hidden.forget_before(stop)
+        return out[:, -1:], logits[0, -1:]

@@ -29,11 +29,13 @@ from .drafters import (
     DraftLengthPolicy,
     DraftModel,
     Drafter,
+    MTPHead,
     Processors,
     PromptLookup,
     generation_stream,
     on_generation_stream,
     point_masses,
+    check_mtp_head,
     prefill,
     processed_logprobs,
     speculative_sample,
@@ -205,6 +207,7 @@ def generate_step(
     prompt_lookup: bool = False,
     max_ngram_size: int = 3,
     num_draft_tokens: Optional[int] = None,
+    mtp: bool = False,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) for each generated token.
 
@@ -222,15 +225,17 @@ def generate_step(
     speculative_generate_step; at most `num_draft_tokens`, default 3, a round, looking
     up suffixes of up to `max_ngram_size` tokens): the same tokens under greedy
     decoding and the same law under sampling, faster where the output repeats the
-    prompt or itself.
+    prompt or itself. `mtp=True` likewise drafts with the model's own
+    multi-token-prediction head (drafters.MTPHead), applied up to `num_draft_tokens`
+    times a round.
     """
-    if input_embeddings is not None and prompt_lookup:
-        raise ValueError("prompt_lookup cannot take input_embeddings: the lookup needs the prompt's token ids")
-    if prompt_lookup:
+    if input_embeddings is not None and (prompt_lookup or mtp):
+        raise ValueError("prompt_lookup and mtp cannot take input_embeddings: drafting needs the prompt's token ids")
+    if prompt_lookup or mtp:
         yield from (
             (token, logprobs)
             for token, logprobs, _ in speculative_generate_step(
-                prompt, model, prompt_lookup=True, max_ngram_size=max_ngram_size,
+                prompt, model, prompt_lookup=prompt_lookup, mtp=mtp, max_ngram_size=max_ngram_size,
                 num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens,
                 max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
                 max_kv_size=max_kv_size, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
@@ -240,7 +245,9 @@ def generate_step(
         )
         return
     if num_draft_tokens is not None:
-        raise ValueError("num_draft_tokens needs prompt_lookup=True (or a draft model: speculative_generate_step)")
+        raise ValueError(
+            "num_draft_tokens needs prompt_lookup=True or mtp=True (or a draft model: speculative_generate_step)"
+        )
     _check_generation_args(prompt, max_tokens, prefill_step_size, input_embeddings)
     if input_embeddings is not None and not accepts_input_embeddings(model):
         raise ValueError(f"{type(model).__module__} does not take input_embeddings")
@@ -330,16 +337,19 @@ def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str) ->
         )
 
 
-def _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size) -> List[Any]:
-    """The target's cache entries followed by the draft model's (if any): fresh, or checked."""
+def _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size, mtp: bool = False) -> List[Any]:
+    """The target's cache entries followed by the draft model's or the MTP head's (if
+    any): fresh, or checked."""
     models = [model] if draft_model is None else [model, draft_model]
     if prompt_cache is None:
-        return [entry for m in models for entry in cache.make_prompt_cache(m, max_kv_size)]
+        head = model.make_mtp_cache() if mtp else []
+        return [entry for m in models for entry in cache.make_prompt_cache(m, max_kv_size)] + head
     if max_kv_size is not None:
         raise ValueError("max_kv_size cannot be combined with a prompt_cache; size the cache when making it")
-    sizes = [len(m.layers) for m in models]
+    sizes = [len(m.layers) for m in models] + ([len(model.mtp_head.layers)] if mtp else [])
     if len(prompt_cache) != sum(sizes):
-        wanted = f"the target's {sizes[0]}" + ("" if draft_model is None else f" followed by the draft's {sizes[1]}")
+        wanted = f"the target's {sizes[0]}" + ("" if len(sizes) == 1 else
+                                               f" followed by the {'MTP head' if mtp else 'draft'}'s {sizes[1]}")
         raise ValueError(f"prompt_cache has {len(prompt_cache)} entries; speculation needs {wanted}")
     return prompt_cache
 
@@ -353,18 +363,23 @@ def make_drafter(
     max_ngram_size: int,
     min_ngram_size: int,
     drafter: Optional[Drafter],
+    mtp: bool = False,
 ) -> Drafter:
     """The one drafter of a speculative run, from speculative_generate_step's arguments
     (checked before any work); `prompt_cache` is the target's entries, then the draft
-    model's."""
+    model's or the MTP head's."""
     given = [name for name, present in [("a draft_model", draft_model is not None),
                                         ("prompt_lookup=True", prompt_lookup),
+                                        ("mtp=True", mtp),
                                         ("a drafter", drafter is not None)] if present]
     if len(given) != 1:
         raise ValueError(
-            "speculative decoding takes exactly one drafter: a draft_model, prompt_lookup=True or a drafter; "
-            f"got {' and '.join(given) if given else 'none'}"
+            "speculative decoding takes exactly one drafter: a draft_model, prompt_lookup=True, mtp=True or a "
+            f"drafter; got {' and '.join(given) if given else 'none'}"
         )
+    if mtp:
+        num_target = len(model.layers)
+        return MTPHead(model, prompt_cache[:num_target], prompt_cache[num_target:], model.args.vocab_size)
     if draft_model is not None:
         draft_cache = prompt_cache[len(model.layers) :]
         check_can_speculate(draft_model, draft_cache, "draft model")
@@ -547,6 +562,7 @@ def speculative_generate_step(
     max_ngram_size: int = 3,
     min_ngram_size: int = 1,
     drafter: Optional[Drafter] = None,
+    mtp: bool = False,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft): the target's tokens, several per target
     forward when the drafter guesses them.
@@ -556,7 +572,9 @@ def speculative_generate_step(
     earlier occurrence of the last `max_ngram_size` .. `min_ngram_size` tokens in the
     prompt and the output; drafters.PromptLookup), or a `drafter` object (e.g. a
     PromptLookup passed to every turn of a conversation continued from a prompt
-    cache, so its lookups see the earlier turns too).
+    cache, so its lookups see the earlier turns too), or `mtp=True` (the target's own
+    multi-token-prediction head, Qwen3-Next / Qwen3.5: drafters.MTPHead; the target
+    forwards also return their hidden states, which the head is fed).
 
     Each round the drafter proposes k tokens, k chosen by a DraftLengthPolicy
     (drafters.py) from the measured acceptance and round times, between 0 (a plain
@@ -582,9 +600,9 @@ def speculative_generate_step(
       token for token. Acceptance at temp > 0 is only about sum p*q; to measure that,
       wrap a CategoricalSampler in a plain function.
     Rejected tokens are rolled back exactly on every cache kind (DESIGN.md §2).
-    `prompt_cache` is the target's entries followed by the draft model's (none for
-    other drafters). `stats` (optional) receives the counts; `kv_bits` etc. quantize KV
-    caches as in `generate_step`. A draft model must use the target's tokenizer (the
+    `prompt_cache` is the target's entries followed by the draft model's or the MTP
+    head's (`model.make_mtp_cache()`; none for other drafters). `stats` (optional)
+    receives the counts; `kv_bits` etc. quantize KV caches as in `generate_step`. A draft model must use the target's tokenizer (the
     loaders check it with check_same_tokenizer); its embedding table may be padded to
     another size: it proposes only ids both tables hold, and is fed 0 for any id
     beyond its table.
@@ -607,11 +625,16 @@ def speculative_generate_step(
     _check_generation_args(prompt, max_tokens, prefill_step_size)
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
-    prompt_cache = _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size)
+    if mtp:
+        check_mtp_head(model)
+    prompt_cache = _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size, mtp)
     drafter = make_drafter(model, draft_model, prompt_cache, prompt_lookup=prompt_lookup,
-                           max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size, drafter=drafter)
+                           max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size, drafter=drafter, mtp=mtp)
     num_target = len(model.layers)
-    target = CachedModel(model, prompt_cache[:num_target], model.args.vocab_size, model.args.vocab_size)
+    if isinstance(drafter, MTPHead):  # the head reads the target's hidden states
+        target = drafter.target
+    else:
+        target = CachedModel(model, prompt_cache[:num_target], model.args.vocab_size, model.args.vocab_size)
     check_can_speculate(model, target.cache, "target model")
     sampler = sampler or make_sampler()
     processors = logits_processors or []
@@ -621,8 +644,11 @@ def speculative_generate_step(
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
-    drafter.prefill(prompt, prefill_step_size, quantize_kv)
-    prefill(model, prompt, target.cache, prefill_step_size, progress, quantize_kv)
+    if isinstance(drafter, MTPHead):
+        drafter.prefill_with_target(prompt, prefill_step_size, progress, quantize_kv)
+    else:
+        drafter.prefill(prompt, prefill_step_size, quantize_kv)
+        prefill(model, prompt, target.cache, prefill_step_size, progress, quantize_kv)
     sequence = prompt.tolist()  # the prompt, then every token the target committed to
     num_prompt = len(sequence)
     target.num_held = num_prompt - 1
@@ -691,7 +717,7 @@ def speculative_generate_step(
     finally:
         _finish_speculation(target, drafter, sequence[: num_prompt + num_yielded], clean_stop)
         prompt_cache[:num_target] = target.cache  # entries quantized on the way
-        if draft_model is not None:
+        if draft_model is not None or mtp:
             prompt_cache[num_target:] = drafter.cache
 
 
@@ -733,7 +759,7 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, yielding a GenerationResponse per token. kwargs go to
     `generate_step`, or with a `draft_model` to `speculative_generate_step`
-    (`num_draft_tokens` among them), also with `prompt_lookup=True` or a `drafter`.
+    (`num_draft_tokens` among them), also with `prompt_lookup=True`, `mtp=True` or a `drafter`.
     Stops at an EOS token or after `max_tokens`; the last response carries the
     finish_reason. When it stops, a passed `prompt_cache` holds the prompt and every
     generated token."""
@@ -742,10 +768,12 @@ def stream_generate(
     prompt = _encode_prompt(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     stats = None
-    if draft_model is None and not kwargs.get("prompt_lookup") and kwargs.get("drafter") is None:
+    drafting = draft_model is not None or kwargs.get("prompt_lookup") or kwargs.get("mtp")
+    if not drafting and kwargs.get("drafter") is None:
         if "num_draft_tokens" in kwargs:
-            raise ValueError("num_draft_tokens needs a draft_model, prompt_lookup=True or a drafter")
+            raise ValueError("num_draft_tokens needs a draft_model, prompt_lookup=True, mtp=True or a drafter")
         kwargs.pop("drafter", None)
+        kwargs.pop("mtp", None)
         token_generator = (
             (token, logprobs, False)
             for token, logprobs in generate_step(prompt, model, max_tokens=max_tokens, **kwargs)
@@ -876,6 +904,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="Speculative decoding without a draft model: draft the tokens that followed the "
                         "latest earlier occurrence of the last few tokens in the prompt and the output")
+    parser.add_argument("--mtp", action="store_true",
+                        help="Speculative decoding with the model's own multi-token-prediction head "
+                        "(Qwen3-Next, Qwen3.5 checkpoints with mtp.* weights); --num-draft-tokens applications a round")
     parser.add_argument("--max-ngram-size", type=positive_int, default=3,
                         help="With --prompt-lookup: the longest suffix looked up, in tokens")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULT_NUM_DRAFT_TOKENS,
@@ -908,8 +939,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.prompt_cache_file is not None and args.max_kv_size is not None:
         parser.error("--max-kv-size cannot be combined with --prompt-cache-file: the cache file's size "
                      "was fixed when it was made (mlx_lm.cache_prompt --max-kv-size)")
-    if args.prompt_lookup and args.draft_model is not None:
-        parser.error("--prompt-lookup and --draft-model are two drafters; give one")
+    drafters = [name for name, given in [("--prompt-lookup", args.prompt_lookup), ("--mtp", args.mtp),
+                                         ("--draft-model", args.draft_model is not None)] if given]
+    if len(drafters) > 1:
+        parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")
     if not args.prompt_lookup and args.max_ngram_size != parser.get_default("max_ngram_size"):
         parser.error("--max-ngram-size needs --prompt-lookup")
     if args.seed is not None:
@@ -940,12 +973,14 @@ def run(args: argparse.Namespace) -> str:
         xtc_special_tokens=list(tokenizer.eos_token_ids),
     )
     kwargs = dict(max_tokens=args.max_tokens, sampler=sampler)
-    speculating = draft_model is not None or args.prompt_lookup
+    speculating = draft_model is not None or args.prompt_lookup or args.mtp
     if speculating:
         # Which sample a seed gives depends on the draft lengths: a seeded sampled run pins them.
         fixed = args.fixed_draft_length or (args.seed is not None and args.temp > 0)
         kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens,
                       adaptive_draft_length=not fixed)
+    if args.mtp:
+        kwargs["mtp"] = True
     if args.kv_bits is not None:
         kwargs.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                       quantized_kv_start=args.quantized_kv_start)
@@ -972,6 +1007,11 @@ def run(args: argparse.Namespace) -> str:
         target_cache = kwargs["prompt_cache"]
         quantize_kv = kv_quantizer(target_cache, args.kv_bits, args.kv_group_size, args.quantized_kv_start)
         kwargs["prompt_cache"] = target_cache + cached.cache_for(draft_model, quantize_kv)
+    if args.prompt_cache_file is not None and args.mtp:
+        # The file holds the target's entries; the head starts empty (it attends to the
+        # pairs of this run only).
+        check_mtp_head(model)
+        kwargs["prompt_cache"] = kwargs["prompt_cache"] + model.make_mtp_cache()
     if args.prompt_lookup:
         # The lookup also sees what the prompt cache file holds.
         context = [] if args.prompt_cache_file is None else cached.tokens or []

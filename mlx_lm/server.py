@@ -426,6 +426,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "latest earlier occurrence of the last few tokens in the prompt and the output")
     parser.add_argument("--max-ngram-size", type=positive_int, default=3,
                         help="With --prompt-lookup: the longest suffix looked up, in tokens")
+    parser.add_argument("--mtp", action="store_true",
+                        help="Speculative decoding with the model's own multi-token-prediction head "
+                        "(Qwen3-Next, Qwen3.5 checkpoints with mtp.* weights)")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
                         help="At most this many tokens drafted per target forward, each round choosing 0..N from "
                         "the measured acceptance and speed (requests may override N)")
@@ -507,6 +510,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     defaults = _check_defaults(parser, args)
+    drafters = [name for name, given in [("--prompt-lookup", args.prompt_lookup), ("--mtp", args.mtp),
+                                         ("--draft-model", args.draft_model is not None)] if given]
+    if len(drafters) > 1:
+        parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")
     origins = _parse_origins(parser, args.allowed_origins)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Bind first: a busy port or a bad address is reported before a long model load.
@@ -518,7 +525,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         server.provider = ModelProvider(args.model, args.draft_model, args.allow_other_models,
                                         args.prompt_cache_size, args.prompt_cache_bytes, args.chat_template or None,
-                                        args.max_prompt_tokens, args.dtype)
+                                        args.max_prompt_tokens, args.dtype, mtp=args.mtp)
     except (ValueError, FileNotFoundError) as e:
         server.server_close()
         sys.exit(f"Error: {e}")

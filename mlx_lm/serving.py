@@ -45,7 +45,7 @@ from typing import Any, Callable, Generator, List, Optional
 
 import mlx.core as mx
 
-from .drafters import PromptLookup, ids_within, prefill
+from .drafters import MTPHead, PromptLookup, check_mtp_head, ids_within, prefill
 from .generate import GenerationResponse, check_can_speculate, check_same_tokenizer, stream_generate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
@@ -129,11 +129,14 @@ class ServedModel:
 
     def __init__(self, path: str, draft_path: Optional[str], cache_size: int, cache_bytes: Optional[int],
                  chat_template: Optional[str] = None, max_prompt_tokens: Optional[int] = None,
-                 dtype: Optional[str] = None):
+                 dtype: Optional[str] = None, mtp: bool = False):
         from .utils import load
 
         self.name = path
         self.model, self.tokenizer, config = load(path, return_config=True, dtype=dtype)
+        self.mtp = mtp
+        if mtp:
+            check_mtp_head(self.model)
         if chat_template:
             self.tokenizer.chat_template = chat_template
         self.draft_model = None
@@ -161,6 +164,8 @@ class ServedModel:
             cache_bytes = default_prompt_cache_bytes()
         self.prompt_cache = LRUPromptCache(cache_size, cache_bytes)
         fresh = self.make_cache()
+        if mtp:
+            check_can_speculate(self.model, fresh[: len(self.model.layers)], "target model")
         if self.draft_model is not None:
             # Validate before serving: otherwise every request would fail (upstream #1446).
             num_target = len(self.model.layers)
@@ -174,10 +179,12 @@ class ServedModel:
         return self.model.args.vocab_size
 
     def make_cache(self) -> List[Any]:
-        """The target's cache entries, then the draft's."""
+        """The target's cache entries, then the draft's or the MTP head's."""
         prompt_cache = make_prompt_cache(self.model)
         if self.draft_model is not None:
             prompt_cache += make_prompt_cache(self.draft_model)
+        if self.mtp:
+            prompt_cache += self.model.make_mtp_cache()
         return prompt_cache
 
     def _too_long(self, size: str) -> RequestError:
@@ -242,6 +249,12 @@ class ServedModel:
         `generate.prefill`, so the caches are the ones `stream_generate` would build."""
         num_target = len(self.model.layers)
         prompt = mx.array(tokens)
+        if self.mtp:
+            # The head takes the target's hidden states chunk by chunk, and the pair of
+            # the last token too: the run that continues this cache begins after it.
+            head = MTPHead(self.model, prompt_cache[:num_target], prompt_cache[num_target:], self.vocab_size)
+            head.prefill_with_target(prompt, step, progress, lambda c: None, feed_last_pair=True)
+            return tokens[-1:]
         parts = [(self.model, prompt_cache[:num_target], prompt)]
         if self.draft_model is not None:
             # As speculation feeds it: ids beyond a smaller draft table become 0.
@@ -284,9 +297,9 @@ class ModelProvider:
 
     def __init__(self, model_path: str, draft_path: Optional[str], allow_other_models: bool,
                  cache_size: int, cache_bytes: Optional[int], chat_template: Optional[str],
-                 max_prompt_tokens: Optional[int] = None, dtype: Optional[str] = None):
+                 max_prompt_tokens: Optional[int] = None, dtype: Optional[str] = None, *, mtp: bool = False):
         self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template, max_prompt_tokens,
-                                   dtype)
+                                   dtype, mtp)
         self.model_id = model_id(model_path)
         self.names = {model_path, self.model_id, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
                       DEFAULT_MODEL_NAME}
@@ -403,9 +416,10 @@ class GenerationWorker:
     def generate(self, job: Job) -> GenerationResult:
         request = job.request
         served = self.provider.get(job.model_key)
-        speculating = served.draft_model is not None or self.prompt_lookup
+        speculating = served.draft_model is not None or self.prompt_lookup or served.mtp
         if request.num_draft_tokens is not None and not speculating:
-            raise RequestError(400, "num_draft_tokens needs a server started with --draft-model or --prompt-lookup")
+            raise RequestError(400, "num_draft_tokens needs a server started with --draft-model, --prompt-lookup "
+                                    "or --mtp")
         tokens = job.tokens if job.tokens is not None else served.encode(request)
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
@@ -438,6 +452,8 @@ class GenerationWorker:
             fixed = self.fixed_draft_length or (request.seed is not None and request.sampling["temp"] > 0)
             kwargs = dict(draft_model=served.draft_model, adaptive_draft_length=not fixed,
                           num_draft_tokens=request.num_draft_tokens or self.default_num_draft_tokens)
+        if served.mtp:
+            kwargs["mtp"] = True
         if self.prompt_lookup:
             # The lookup sees the whole prompt, the part already in the cache included.
             kwargs["drafter"] = PromptLookup(self.max_ngram_size, context=tokens[:num_fed])

@@ -220,7 +220,7 @@ def test_input_embeddings_are_checked(tiny, tmp_path):
     cases = [
         (dict(prompt=prompt[:2], input_embeddings=embeddings), "same length"),
         (dict(prompt=prompt, input_embeddings=embeddings[None]), "must be \\(prompt length, hidden size\\)"),
-        (dict(prompt=prompt, input_embeddings=embeddings, prompt_lookup=True), "lookup needs the prompt's token ids"),
+        (dict(prompt=prompt, input_embeddings=embeddings, prompt_lookup=True), "drafting needs the prompt's token ids"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -224,7 +224,7 @@ def test_cli_prompt_lookup_prints_what_plain_decoding_prints(tiny_model_dir, cap
     generate_main([*common, "--prompt-lookup"])
     out = capsys.readouterr().out
     assert want.strip() in out and "Speculation:" in out and "Draft length:" in out
-    for flags, message in [(["--prompt-lookup", "--draft-model", str(tiny_model_dir)], "two drafters"),
+    for flags, message in [(["--prompt-lookup", "--draft-model", str(tiny_model_dir)], "--prompt-lookup and --draft-model are 2 drafters"),
                            (["--max-ngram-size", "2"], "--max-ngram-size needs --prompt-lookup")]:
         with pytest.raises(SystemExit):
             generate_main([*common, *flags])

@@ -11,7 +11,9 @@ What differs from qwen3_next:
   the same index, so it is plain partial rope; the mrope keys are dropped.
 - Weights live under `model.language_model.*` and `lm_head.*` in the checkpoint (ours:
   `language_model.model.*`, `language_model.lm_head.*`); the vision tower
-  (`model.visual.*`, or `vision_tower.*` after MLX conversion) is dropped.
+  (`model.visual.*`, or `vision_tower.*` after MLX conversion) is dropped. The MTP head
+  (`mtp.*` at the top level, declared by `mtp_num_hidden_layers` in `text_config`) is
+  qwen3_next's, ours at `language_model.mtp.*`.
 Reference: transformers `models/qwen3_5/modeling_qwen3_5.py`.
 """
 
@@ -32,6 +34,12 @@ MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 @dataclass
 class TextModelArgs(qwen3_next.ModelArgs):
+    mtp_num_hidden_layers: int = 0
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.mtp_num_hidden_layers
+
     def __post_init__(self):
         for name in ("rope_scaling", "rope_parameters"):
             params = getattr(self, name)
@@ -110,25 +118,33 @@ def text_key(key: str) -> str:
 
 class Model(nn.Module):
     supports_speculative_rollback = LanguageModel.supports_speculative_rollback
+    supports_mtp = LanguageModel.supports_mtp
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
         self.language_model = LanguageModel(args.text_args)
-        # The checkpoint's multi-token-prediction tensors, verbatim (sanitize fills it);
-        # set past nn.Module so they stay out of the parameter tree.
-        object.__setattr__(self, "mtp_weights", {})
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
         """Token ids (B, L) -> logits (B, L, vocab)."""
         return self.language_model(inputs, cache)
 
+    def hidden_and_logits(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
+        return self.language_model.hidden_and_logits(inputs, cache)
+
+    @property
+    def mtp_head(self) -> Optional[qwen3_next.MultiTokenPredictor]:
+        return self.language_model.mtp_head
+
+    def mtp_forward(self, tokens: mx.array, hidden: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
+        return self.language_model.mtp_forward(tokens, hidden, cache)
+
+    def make_mtp_cache(self) -> List[KVCache]:
+        return self.language_model.make_mtp_cache()
+
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if not k.startswith(VISION_PREFIXES)}
-        weights, mtp = qwen3_next.pop_mtp_weights(weights)
-        if mtp:
-            object.__setattr__(self, "mtp_weights", mtp)
         text = self.language_model.sanitize({text_key(k): v for k, v in weights.items()})
         return {"language_model." + k: v for k, v in text.items()}
 

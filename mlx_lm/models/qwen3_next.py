@@ -17,8 +17,12 @@ What differs from llama:
 - MLP: a softmax top-k router over `switch_mlp` experts plus a `shared_expert` scaled by
   sigmoid(`shared_expert_gate`(x)), except in `mlp_only_layers` and off the
   `decoder_sparse_step` grid, where a dense SwiGLU sits.
-References: transformers `models/qwen3_next/modeling_qwen3_next.py`; Yang et al., "Gated
-Delta Networks" (arXiv 2412.06464).
+- The checkpoint may carry a multi-token-prediction head (`mtp.*`, declared by
+  `num_nextn_predict_layers`): see MultiTokenPredictor. It is loaded but runs only when
+  a speculative run drafts with it (drafters.MTPHead); plain decoding never calls it.
+References: transformers `models/qwen3_next/modeling_qwen3_next.py` (which ignores
+`mtp.*`); vLLM `model_executor/models/qwen3_next_mtp.py` for the head; Yang et al.,
+"Gated Delta Networks" (arXiv 2412.06464).
 """
 
 import re
@@ -47,6 +51,8 @@ LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 CONV_STATE, RECURRENT_STATE = 0, 1
 # Zero-centred RMSNorm weights in the checkpoint (the gated `linear_attn.norm` is not).
 ZERO_CENTRED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+# The MTP head's own zero-centred norms (its decoder layer's end in ZERO_CENTRED_NORMS).
+MTP_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")
 # transformers' l2norm adds this to the sum of squares of each query and key head.
 L2_NORM_EPS = 1e-6
 
@@ -84,6 +90,7 @@ class ModelArgs(BaseModelArgs):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: Optional[List[int]] = None
+    num_nextn_predict_layers: int = 0  # MTP head layers (qwen3_5 names it mtp_num_hidden_layers)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -129,6 +136,13 @@ class ModelArgs(BaseModelArgs):
             )
         if not all(kinds) and not self.intermediate_size:
             raise ValueError(f"intermediate_size is {self.intermediate_size!r} but some layers use a dense MLP")
+        if self.num_mtp_layers < 0:
+            raise ValueError(f"the MTP head's layer count must be >= 0, got {self.num_mtp_layers}")
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Decoder layers of the multi-token-prediction head (0: none)."""
+        return self.num_nextn_predict_layers
 
     @property
     def rotary_dims(self) -> int:
@@ -180,7 +194,8 @@ def route(logits: mx.array, top_k: int, normalize: bool) -> Tuple[mx.array, mx.a
     the softmax probabilities (fp32) of the k best experts, renormalised to sum to 1 if
     `normalize`. Weights come back in the logits' dtype."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-    experts = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k]
+    # Indices carry no gradient (training the MoE head or adapters differentiates through here).
+    experts = mx.stop_gradient(mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k])
     weights = mx.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -345,9 +360,10 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, linear_attention_class=GatedDeltaNet):
+    def __init__(self, args: ModelArgs, layer_idx: int, linear_attention_class=GatedDeltaNet,
+                 layer_type: Optional[str] = None):
         super().__init__()
-        self.is_linear = args.layer_types[layer_idx] == LINEAR_ATTENTION
+        self.is_linear = (layer_type or args.layer_types[layer_idx]) == LINEAR_ATTENTION
         if self.is_linear:
             self.linear_attn = linear_attention_class(args)
         else:
@@ -387,10 +403,43 @@ class TextModel(nn.Module):
         return self.norm(h)
 
 
-def pop_mtp_weights(weights: Dict[str, mx.array]) -> Tuple[Dict[str, mx.array], Dict[str, mx.array]]:
-    """Split off the multi-token-prediction head (`mtp.*`), which the model does not run."""
-    mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
-    return {k: v for k, v in weights.items() if k not in mtp}, mtp
+class MultiTokenPredictor(nn.Module):
+    """The multi-token-prediction head (`mtp.*`): from the backbone's final hidden state
+    h_t (after its final norm, what the lm_head scores) and the embedding of token t+1,
+    a prediction of token t+2:
+
+        x = fc(concat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])
+        g_t = norm(layer(x))       logits = lm_head(g_t)
+
+    (embedding first: engines that swapped the halves lost most of the acceptance). The
+    layer is a full-attention decoder layer like the backbone's (gated q_proj, q/k norms,
+    the backbone's MLP kind for layer index 0) with its own KV cache: entry t holds the
+    pair (x_{t+1}, h_t), roped at position t as vLLM places it (rope is relative, so any
+    fixed shift of the positions gives the same scores). To draft further, the head is
+    applied to its own g_t with the token it drafted. All norms are zero-centred in the
+    checkpoint (sanitize adds the 1)."""
+
+    def __init__(self, args: ModelArgs, linear_attention_class=GatedDeltaNet):
+        super().__init__()
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.layers = [
+            DecoderLayer(args, 0, linear_attention_class, layer_type=FULL_ATTENTION)
+            for _ in range(args.num_mtp_layers)
+        ]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+    def __call__(self, embedded: mx.array, hidden: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
+        """embedded (B, T, H) = embed(x_{t+1}), hidden (B, T, H) = h_t -> g_t (B, T, H)."""
+        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1))
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(x, cache[0])
+        for layer, layer_cache in zip(self.layers, cache):
+            x = layer(x, mask, layer_cache)
+        return self.norm(x)
 
 
 def has_hf_conv_layout(weights: Dict[str, mx.array]) -> bool:
@@ -458,8 +507,21 @@ def sanitize_text_weights(weights: Dict[str, mx.array], tie_word_embeddings: boo
     for key, value in weights.items():
         if key.endswith("linear_attn.conv1d.weight") and value.shape[1] == 1 and value.shape[2] > 1:
             weights[key] = value.swapaxes(1, 2)  # (C, 1, K) -> (C, K, 1)
-        elif raw and (key.endswith(ZERO_CENTRED_NORMS) or key == "model.norm.weight"):
+        elif raw and (key.endswith(ZERO_CENTRED_NORMS) or key == "model.norm.weight" or key in MTP_NORMS):
             weights[key] = value + 1.0
+    return weights
+
+
+def keep_mtp_weights(model: nn.Module, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """The checkpoint's `mtp.*` tensors stay when `model` has a head for them. A config
+    that declares a head the checkpoint lacks (converted by a tool that drops it, as
+    upstream mlx-lm does) leaves the model without one; a head the config does not
+    declare is dropped (transformers ignores it too)."""
+    has_weights = any(k.startswith("mtp.") for k in weights)
+    if "mtp" in model and not has_weights:
+        model.pop("mtp")
+    if "mtp" not in model:
+        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
     return weights
 
 
@@ -475,6 +537,8 @@ class Model(nn.Module):
     linear_attention_class = GatedDeltaNet
     # Linear-attention layers record rollbacks into their ArraysCache while speculating.
     supports_speculative_rollback = True
+    # mtp_head, hidden_and_logits, mtp_forward and make_mtp_cache (drafters.MTPHead).
+    supports_mtp = True
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -483,22 +547,39 @@ class Model(nn.Module):
         self.model = TextModel(args, self.linear_attention_class)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # The checkpoint's multi-token-prediction tensors, verbatim (sanitize fills it);
-        # set past nn.Module so they stay out of the parameter tree.
-        object.__setattr__(self, "mtp_weights", {})
+        if args.num_mtp_layers:
+            self.mtp = MultiTokenPredictor(args, self.linear_attention_class)
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
         """Token ids (B, L) -> logits (B, L, vocab)."""
-        h = self.model(inputs, cache)
+        return self.logits(self.model(inputs, cache))
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final hidden states (B, L, H), after the final norm -> logits (B, L, vocab)."""
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def hidden_and_logits(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> Tuple[mx.array, mx.array]:
+        """Token ids (B, L) -> (final hidden states (B, L, H) after the final norm, logits)."""
+        hidden = self.model(inputs, cache)
+        return hidden, self.logits(hidden)
+
+    @property
+    def mtp_head(self) -> Optional[MultiTokenPredictor]:
+        """The multi-token-prediction head, or None (none declared, or none in the checkpoint)."""
+        return self.get("mtp")
+
+    def mtp_forward(self, tokens: mx.array, hidden: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
+        """The head on pairs (x_{t+1} = tokens (B, T), h_t = hidden (B, T, H)) -> (g_t (B, T, H), logits of x_{t+2})."""
+        g = self.mtp(self.model.embed_tokens(tokens), hidden, cache)
+        return g, self.logits(g)
+
+    def make_mtp_cache(self) -> List[KVCache]:
+        return [KVCache() for _ in self.mtp.layers]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        weights, mtp = pop_mtp_weights(weights)
-        if mtp:
-            object.__setattr__(self, "mtp_weights", mtp)
-        return sanitize_text_weights(weights, self.args.tie_word_embeddings)
+        return sanitize_text_weights(keep_mtp_weights(self, weights), self.args.tie_word_embeddings)
 
     @property
     def layers(self) -> List[DecoderLayer]:
