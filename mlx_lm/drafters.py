@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models.cache import trim_prompt_cache
+from .models.cache import check_kv_quantization, maybe_quantize_kv_cache, trim_prompt_cache
 from .sample_utils import CategoricalSampler
 
 Processors = List[Callable[[mx.array, mx.array], mx.array]]
@@ -53,6 +53,41 @@ def on_generation_stream(fn):
 # ---------------------------------------------------------------------------
 # Feeding a model and its cache
 # ---------------------------------------------------------------------------
+
+
+def check_generation_args(
+    prompt: mx.array, max_tokens: int, prefill_step_size: int, input_embeddings: Optional[mx.array] = None
+) -> None:
+    if input_embeddings is not None:
+        _check_input_embeddings(prompt, input_embeddings)
+    elif prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(f"prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}")
+    if max_tokens != -1 and max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
+    if prefill_step_size < 1:
+        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+
+
+def _check_input_embeddings(prompt: mx.array, input_embeddings: mx.array) -> None:
+    if input_embeddings.ndim != 2 or input_embeddings.shape[0] == 0:
+        raise ValueError(f"input_embeddings must be (prompt length, hidden size), got shape {input_embeddings.shape}")
+    if prompt.ndim != 1 or prompt.size not in (0, input_embeddings.shape[0]):
+        raise ValueError(
+            f"prompt ({prompt.size} tokens) and input_embeddings ({input_embeddings.shape[0]} rows) must have the "
+            "same length, or the prompt be empty"
+        )
+
+
+def kv_quantizer(
+    prompt_cache: List[Any], kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int
+) -> Callable[[List[Any]], None]:
+    """Check the KV quantization settings against the cache before any work; returns
+    the function that quantizes a cache list's entries once they are long enough."""
+    if kv_bits is not None:
+        check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
+    return functools.partial(
+        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
+    )
 
 
 @on_generation_stream

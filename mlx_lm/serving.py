@@ -46,7 +46,8 @@ from typing import Any, Callable, Generator, List, Optional
 import mlx.core as mx
 
 from .drafters import MTPHead, PromptLookup, check_mtp_head, ids_within, prefill
-from .generate import GenerationResponse, check_can_speculate, check_same_tokenizer, stream_generate
+from .generate import GenerationResponse, check_same_tokenizer, stream_generate
+from .speculative import check_can_speculate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from .openai_api import (

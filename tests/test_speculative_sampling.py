@@ -31,7 +31,8 @@ from checkpoints import TINY_CONFIGS, perturb
 from mlx.utils import tree_map
 
 from mlx_lm.drafters import accepted_count, correction_logprobs, speculative_sample
-from mlx_lm.generate import SpeculationStats, generate_step, processed_logprobs, speculative_generate_step
+from mlx_lm.drafters import processed_logprobs
+from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import get_model_classes
 
