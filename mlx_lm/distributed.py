@@ -1,0 +1,52 @@
+"""Running the command-line tools on several ranks (`mlx.launch`).
+
+Under `mlx.launch` every rank runs the same command. The target model is sharded
+tensor-parallel (`utils.sharded_load`), so every forward all-sums across ranks and the
+ranks must take identical decisions, token by token and round by round:
+- sampling draws from one seed on every rank (`shared_seed`: rank 0's, broadcast);
+- speculation drafts a pinned number of tokens per round (the adaptive policy reads
+  wall-clock times, which differ across ranks and would desynchronise them); the draft
+  model (or prompt lookup) runs whole on every rank, fed identical tokens, so it
+  proposes identical drafts; the verify forward is sharded, and its all-summed logits
+  are identical on every rank, so every rank accepts the same prefix and rolls back
+  its own shard of each cache by the same count;
+- only rank 0 prints.
+A rank that fails closes its connections; the others then fail in their next all-sum,
+and `fail_together` turns that into one clear error and a non-zero exit, so no rank
+waits forever (mlx.launch also stops the remaining ranks once one exits non-zero).
+"""
+
+import contextlib
+import sys
+from typing import Iterator, Optional
+
+import mlx.core as mx
+
+
+def world() -> mx.distributed.Group:
+    """The global group: every rank under mlx.launch, a group of one otherwise."""
+    return mx.distributed.init()
+
+
+def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
+    """`seed` as rank 0 has it (a fresh random one if rank 0 has none), on every rank:
+    rank 0 contributes it to an all-sum, the others contribute 0."""
+    if seed is None:
+        seed = int(mx.random.randint(0, 2**31 - 1, ()).item()) if group.rank() == 0 else 0
+    mine = mx.array(seed if group.rank() == 0 else 0, dtype=mx.int32)
+    return int(mx.distributed.all_sum(mine, group=group).item())
+
+
+@contextlib.contextmanager
+def fail_together(group: mx.distributed.Group) -> Iterator[None]:
+    """On more than one rank, turn a RuntimeError (a lost peer, a failed all-sum) into
+    SystemExit with a message naming this rank, so the rank exits at once and non-zero."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group.size() == 1:
+            raise
+        sys.exit(
+            f"Error: rank {group.rank()} of {group.size()} stopped: {e}. Another rank probably "
+            "failed or was stopped (see its output); every rank must run the same command"
+        )

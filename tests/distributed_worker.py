@@ -1,0 +1,85 @@
+"""One rank of tests/test_distributed.py (started by tests/ranks.py, as mlx.launch would).
+
+argv: a JSON spec {"mode": "match" | "die", "out": dir, "prompt": [ids],
+"max_tokens": n, "targets": {name: [target_dir, draft_dir]}}.
+
+match: for each target, the unsharded model's greedy plain tokens (what one process
+gives), then the sharded model's (sharded_load) greedy plain, draft-model speculative
+and prompt-lookup tokens, a seeded sampled speculative run, the speculation counts and
+the parameter bytes, written to out/rank<r>.json.
+die: rank 1 exits abruptly after its first sharded forward; rank 0 goes on generating,
+inside distributed.fail_together, as mlx_lm.generate does.
+"""
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_lm import distributed
+from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
+from mlx_lm.generate import main as generate_main
+from mlx_lm.models.sharding import parameter_bytes
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_model, sharded_load
+
+
+def plain(model, prompt, max_tokens):
+    return [t for t, _ in generate_step(prompt, model, max_tokens=max_tokens)]
+
+
+def speculative(model, prompt, max_tokens, draft=None, sampler=None, **kwargs):
+    stats = SpeculationStats()
+    tokens = [
+        t for t, _, _ in speculative_generate_step(
+            prompt, model, draft, num_draft_tokens=3, adaptive_draft_length=False, max_tokens=max_tokens,
+            sampler=sampler, stats=stats, **kwargs,
+        )
+    ]
+    return tokens, [stats.num_accepted, stats.num_drafted]
+
+
+def match(spec, group):
+    prompt, max_tokens = mx.array(spec["prompt"]), spec["max_tokens"]
+    results = {}
+    for name, (target_dir, draft_dir) in spec["targets"].items():
+        full, _ = load_model(Path(target_dir))
+        draft, _ = load_model(Path(draft_dir))
+        model, _ = sharded_load(target_dir, tensor_group=group)
+        spec_tokens, spec_counts = speculative(model, prompt, max_tokens, draft)
+        mx.random.seed(7)
+        sampled, _ = speculative(model, prompt, max_tokens, draft, sampler=make_sampler(1.0))
+        results[name] = {
+            "one_process": plain(full, prompt, max_tokens),
+            "plain": plain(model, prompt, max_tokens),
+            "speculative": spec_tokens,
+            "speculative_counts": spec_counts,
+            "lookup": speculative(model, prompt, max_tokens, prompt_lookup=True)[0],
+            "sampled": sampled,
+            "layer_bytes": [sum(parameter_bytes(layer) for layer in m.layers) for m in (full, model)],
+            "bytes": [parameter_bytes(full), parameter_bytes(model)],
+        }
+    Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(results))
+    if spec.get("cli"):  # the command line, in this process: it shards by itself
+        with open(Path(spec["out"], f"cli{group.rank()}.txt"), "w") as f, contextlib.redirect_stdout(f):
+            generate_main(spec["cli"])
+
+
+def die(spec, group):
+    (target_dir, _), = spec["targets"].values()
+    model, _ = sharded_load(target_dir, tensor_group=group)
+    prompt = mx.array(spec["prompt"])
+    mx.eval(model(prompt[None]))
+    if group.rank() == 1:
+        os._exit(3)
+    with distributed.fail_together(group):
+        for _ in generate_step(prompt, model, max_tokens=spec["max_tokens"]):
+            pass
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    {"match": match, "die": die}[spec["mode"]](spec, distributed.world())

@@ -1,0 +1,109 @@
+"""Tensor-parallel sharding over 2 local ranks (ring backend): each rank holds about half
+of the decoder weights; greedy plain, speculative and prompt-lookup outputs equal one
+process for a dense (llama), a sliding-window-with-sinks MoE (gpt_oss) and a hybrid
+GDN (qwen3_next) target; mlx_lm.generate shards by itself and only rank 0 prints (all in one launch:
+each costs seconds of imports); a
+rank that dies ends the others with a clear error. Every run is bounded by a timeout.
+"""
+
+import contextlib
+import io
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from checkpoints import TINY_CONFIGS, write_checkpoint
+from mlx_lm.generate import main as generate_main
+from mlx_lm.models import sharding
+from ranks import ROOT, run_ranks
+
+WORKER = str(ROOT / "tests" / "distributed_worker.py")
+# Repeats, so prompt lookup finds matches; longer than gpt_oss's window of 8.
+PROMPT = [5, 9, 33, 7, 100, 3, 5, 9, 33, 7, 12, 40, 41, 5, 9, 33]
+FAMILIES = ("llama", "gpt_oss", "qwen3_next")
+
+
+class FakeGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return {
+        name: [str(write_checkpoint(root / name, TINY_CONFIGS[name], seed=1)),
+               str(write_checkpoint(root / f"{name}_draft", TINY_CONFIGS[name], seed=1, noise=0.05))]
+        for name in FAMILIES
+    }
+
+
+def worker(mode, targets, tmp_path, max_tokens, cli=None, **kwargs):
+    spec = dict(mode=mode, out=str(tmp_path), prompt=PROMPT, max_tokens=max_tokens, targets=targets, cli=cli)
+    return run_ranks([sys.executable, WORKER, json.dumps(spec)], **kwargs)
+
+
+def test_take_shard_keeps_each_pieces_block():
+    x = mx.arange(24).reshape(12, 2)
+    pieces = [4, 8]  # [a (4) | b (4) | c (4)] along axis 0
+    got = [np.array(sharding.take_shard(x, FakeGroup(2, r), axis=0, segments=pieces)) for r in (0, 1)]
+    ref = np.arange(24).reshape(12, 2)
+    np.testing.assert_array_equal(got[0], ref[[0, 1, 4, 5, 8, 9]])
+    np.testing.assert_array_equal(got[1], ref[[2, 3, 6, 7, 10, 11]])
+    np.testing.assert_array_equal(np.array(sharding.take_shard(x, FakeGroup(3, 2), axis=0)), ref[8:])
+
+
+def test_per_rank_refuses_uneven_split():
+    assert sharding.per_rank(8, FakeGroup(2, 0), "num_attention_heads") == 4
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) is not divisible by the 2 ranks"):
+        sharding.per_rank(3, FakeGroup(2, 0), "num_key_value_heads")
+
+
+def cli_args(checkpoints):
+    target, draft = checkpoints["qwen3_next"]
+    return ["--model", target, "--draft-model", draft, "-p", "hello hello", "-m", "12", "--verbose", "false",
+            "--ignore-chat-template"]
+
+
+def test_two_ranks_match_one_process(checkpoints, tmp_path):
+    """One launch for everything (each costs seconds of imports): the library calls,
+    then mlx_lm.generate's main on the hybrid target with a hybrid draft."""
+    ranks = worker("match", checkpoints, tmp_path, max_tokens=12, timeout=150, cli=cli_args(checkpoints))
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for name in FAMILIES:
+        r0, r1 = per_rank[0][name], per_rank[1][name]
+        for got in (r0, r1):
+            assert got["plain"] == got["one_process"], name
+            assert got["speculative"] == got["one_process"], name
+            assert got["lookup"] == got["one_process"], name
+            full_layers, rank_layers = got["layer_bytes"]
+            assert 0.48 < rank_layers / full_layers < 0.53, (name, rank_layers / full_layers)
+        accepted, drafted = r0["speculative_counts"]
+        assert 0 < accepted < drafted, (name, accepted, drafted)  # rejections: rollbacks ran
+        assert r0["sampled"] == r1["sampled"], name  # identical decisions under sampling
+        assert r0["speculative_counts"] == r1["speculative_counts"], name
+    # The command line sharded by itself, printed on rank 0 only, and printed what one process prints.
+    single = io.StringIO()
+    with contextlib.redirect_stdout(single):
+        generate_main(cli_args(checkpoints))
+    assert (tmp_path / "cli0.txt").read_text() == single.getvalue() and single.getvalue().strip()
+    assert (tmp_path / "cli1.txt").read_text() == ""
+
+
+def test_a_dying_rank_ends_the_others_with_a_clear_error(checkpoints, tmp_path):
+    targets = {"qwen3_next": checkpoints["qwen3_next"]}
+    ranks = worker("die", targets, tmp_path, max_tokens=100000, timeout=60, stop_others_on_failure=False)
+    assert ranks[1].returncode == 3
+    assert ranks[0].returncode == 1, ranks[0].stderr[-2000:]  # ended by itself, not by the timeout
+    assert "Error: rank 0 of 2 stopped" in ranks[0].stderr
+    assert "Another rank probably failed" in ranks[0].stderr
