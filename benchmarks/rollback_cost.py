@@ -1,11 +1,16 @@
-"""What an exact speculative rollback of Gated DeltaNet layers costs, three ways, in one run.
+"""What an exact speculative rollback of recurrent layers costs, three ways, in one run:
+Gated DeltaNet layers at Qwen3-Next sizes and Mamba-2 layers at Nemotron-H sizes.
 
     python benchmarks/rollback_cost.py [--blas auto|openblas|reference] [--repeats 9]
+                                       [--families gdn,mamba2]
 
-A qwen3_next model of 3 linear-attention layers at Qwen3-Next sizes (hidden 2048, 16 key
-heads, 32 value heads, head dims 128, conv kernel 4; random weights, fp32, a small dense
-MLP so the GDN layers dominate) prefills 64 tokens, then runs one verify forward of k+1
-tokens (k = 2, 4, 8 drafts) and rolls back to m accepted tokens. Strategies:
+Each family is a model of recurrent layers only, random weights, fp32:
+- gdn: qwen3_next, 3 linear-attention layers (hidden 2048, 16 key heads, 32 value
+  heads, head dims 128, conv kernel 4; a small dense MLP so the GDN layers dominate);
+- mamba2: nemotron_h, 2 Mamba-2 blocks at Nemotron-H 8B sizes (hidden 4096, 128 heads
+  of dim 64, state 128, 8 groups, conv kernel 4).
+It prefills 64 tokens, then runs one verify forward of k+1 tokens (k = 2, 4, 8 drafts)
+and rolls back to m accepted tokens. Strategies:
 
 - replay (ours): the layers recorded their recurrence inputs during the verify forward;
   `trim` replays the first m steps from the pre-forward state (DESIGN.md §2).
@@ -17,7 +22,9 @@ tokens (k = 2, 4, 8 drafts) and rolls back to m accepted tokens. Strategies:
 
 Times are medians over repeats; m = k (one draft rejected, the longest replay) and the
 mean over m = 1..k. Bytes are what each strategy keeps per speculative token per layer,
-beyond the state every strategy holds. Writes results/rollback_cost.md and .png.
+beyond the state every strategy holds. Each family runs in its own child process.
+Writes results/rollback_cost.md, .json (the numbers) and .png (needs matplotlib;
+`--replot` redraws both from the .json).
 """
 
 import argparse
@@ -30,13 +37,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from gdn_prefill import RESULTS, resolve_blas_choices, run_worker  # noqa: E402
 
-CONFIG = dict(
-    model_type="qwen3_next", hidden_size=2048, num_hidden_layers=3,
-    layer_types=["linear_attention"] * 3, num_attention_heads=16, num_key_value_heads=2,
-    head_dim=128, vocab_size=1024, intermediate_size=512, linear_num_key_heads=16,
-    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-)
+FAMILIES = {
+    "gdn": dict(
+        title="Gated DeltaNet, Qwen3-Next linear-attention sizes",
+        config=dict(
+            model_type="qwen3_next", hidden_size=2048, num_hidden_layers=3,
+            layer_types=["linear_attention"] * 3, num_attention_heads=16, num_key_value_heads=2,
+            head_dim=128, vocab_size=1024, intermediate_size=512, linear_num_key_heads=16,
+            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+        ),
+    ),
+    "mamba2": dict(
+        title="Mamba-2, Nemotron-H 8B sizes",
+        config=dict(
+            model_type="nemotron_h", hidden_size=4096, layers_block_type=["linear_attention"] * 2,
+            num_attention_heads=32, num_key_value_heads=8, vocab_size=1024, mamba_num_heads=128,
+            mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
+        ),
+    ),
+}
 DRAFT_LENGTHS = (2, 4, 8)
 PREFIX = 64
 
@@ -50,22 +70,35 @@ def median_time(fn, repeats):
     return statistics.median(times)
 
 
-def worker(repeats: int) -> dict:
+def recorded_bytes(cache) -> int:
+    """Bytes of the arrays the newest record's replay holds (a functools.partial over
+    the conv input, the per-token recurrence inputs and the pre-forward state)."""
     import functools
 
     import mlx.core as mx
 
-    from mlx_lm.models import qwen3_next
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
+    _, rewind = cache._rollbacks.records[-1]
+    replay_fn = next(
+        c.cell_contents for c in rewind.__closure__ if isinstance(c.cell_contents, functools.partial)
+    )
+    return sum(a.nbytes for a in replay_fn.args if isinstance(a, mx.array))
 
+
+def worker(family: str, repeats: int) -> dict:
+    import mlx.core as mx
+
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    from mlx_lm.utils import get_model_classes
+
+    config = FAMILIES[family]["config"]
     mx.random.seed(0)
-    model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(CONFIG))  # random init
+    model_class, args_class = get_model_classes(config)
+    model = model_class(args_class.from_dict(config))  # random init
     mx.eval(model.parameters())
     prefix_cache = make_prompt_cache(model)
     model(mx.random.randint(0, 1024, (1, PREFIX)), cache=prefix_cache)
     mx.eval([c.state for c in prefix_cache])
-    state_bytes = prefix_cache[0][1].nbytes
-    conv_state_bytes = prefix_cache[0][0].nbytes
+    conv_state_bytes, state_bytes = (a.nbytes for a in prefix_cache[0].state)
 
     def fresh_cache(speculating):
         cache = [ArraysCache.from_state(list(c.state), c.meta_state) for c in prefix_cache]
@@ -77,64 +110,60 @@ def worker(repeats: int) -> dict:
     rows = []
     for k in DRAFT_LENGTHS:
         tokens = mx.random.randint(0, 1024, (1, k + 1))
-
-        def verify():
-            cache = fresh_cache(True)
-            mx.eval(model(tokens, cache=cache), [c.state for c in cache])
-            return cache
-
-        def rollback_time(m):
-            cache = verify()
-            start = time.perf_counter()
-            trim_prompt_cache(cache, k + 1 - m)
-            mx.eval([c.state for c in cache])
-            return time.perf_counter() - start
-
-        def reforward_time(m):
-            cache = fresh_cache(False)  # the restored snapshot: references, no copy
-            start = time.perf_counter()
-            mx.eval(model(tokens[:, :m], cache=cache), [c.state for c in cache])
-            return time.perf_counter() - start
-
-        verify_s = median_time(verify, repeats)
-        replay = {m: statistics.median(rollback_time(m) for _ in range(repeats)) for m in range(1, k + 1)}
-        reforward = {m: statistics.median(reforward_time(m) for _ in range(repeats)) for m in range(1, k + 1)}
-
-        # Bytes our records keep per token per layer: the recurrence inputs + conv rows.
-        _, rewind = verify()[0]._rollbacks.records[-1]
-        replay_fn = next(  # partial(replay_prefix, conv_input, q, k, v, g, beta, pre_state)
-            c.cell_contents for c in rewind.__closure__ if isinstance(c.cell_contents, functools.partial)
+        row = measure(model, tokens, fresh_cache, repeats)
+        ours_per_token = (recorded_bytes(row.pop("cache")[0]) - state_bytes) / (k + 1)
+        row.update(
+            k=k, ours_bytes_per_token=ours_per_token, reforward_bytes_per_token=config["hidden_size"] * 4,
+            per_position_bytes_per_token=state_bytes + conv_state_bytes, snapshot_bytes=state_bytes + conv_state_bytes,
         )
-        recorded = sum(a.nbytes for a in replay_fn.args if isinstance(a, mx.array))
-        snapshot = state_bytes + conv_state_bytes  # fn.args ends with the pre-forward state
-        ours_per_token = (recorded - state_bytes) / (k + 1)
-        rows.append(dict(
-            k=k, verify_ms=verify_s * 1e3 / len(model.layers),
-            replay_ms=replay[k] * 1e3 / len(model.layers),
-            replay_mean_ms=statistics.mean(replay.values()) * 1e3 / len(model.layers),
-            reforward_ms=reforward[k] * 1e3 / len(model.layers),
-            reforward_mean_ms=statistics.mean(reforward.values()) * 1e3 / len(model.layers),
-            ours_bytes_per_token=ours_per_token,
-            reforward_bytes_per_token=CONFIG["hidden_size"] * 4,
-            per_position_bytes_per_token=state_bytes + conv_state_bytes,
-            snapshot_bytes=snapshot,
-        ))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    return dict(rows=rows)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return dict(family=family, rows=rows)
 
 
-def write_report(result: dict) -> None:
-    import matplotlib
+def measure(model, tokens, fresh_cache, repeats) -> dict:
+    """Per-layer ms of a verify forward of `tokens`, of rolling it back to m (m = k, and
+    the mean over 1..k) by replay, and of a re-forward of m tokens from the snapshot."""
+    import mlx.core as mx
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from mlx_lm.models.cache import trim_prompt_cache
 
+    k = tokens.shape[1] - 1
+    num_layers = len(model.layers)
+
+    def verify():
+        cache = fresh_cache(True)
+        mx.eval(model(tokens, cache=cache), [c.state for c in cache])
+        return cache
+
+    def rollback_time(m):
+        cache = verify()
+        start = time.perf_counter()
+        trim_prompt_cache(cache, k + 1 - m)
+        mx.eval([c.state for c in cache])
+        return time.perf_counter() - start
+
+    def reforward_time(m):
+        cache = fresh_cache(False)  # the restored snapshot: references, no copy
+        start = time.perf_counter()
+        mx.eval(model(tokens[:, :m], cache=cache), [c.state for c in cache])
+        return time.perf_counter() - start
+
+    verify_s = median_time(verify, repeats)
+    replay = {m: statistics.median(rollback_time(m) for _ in range(repeats)) for m in range(1, k + 1)}
+    reforward = {m: statistics.median(reforward_time(m) for _ in range(repeats)) for m in range(1, k + 1)}
+    ms = 1e3 / num_layers
+    return dict(
+        verify_ms=verify_s * ms, replay_ms=replay[k] * ms, replay_mean_ms=statistics.mean(replay.values()) * ms,
+        reforward_ms=reforward[k] * ms, reforward_mean_ms=statistics.mean(reforward.values()) * ms,
+        cache=verify(),
+    )
+
+
+def table(result: dict) -> list:
     rows = result["rows"]
     lines = [
-        "# Exact GDN rollback: replay vs snapshot + re-forward vs per-position state copies",
-        "",
-        f"BLAS: {result['blas']}. Per layer, Qwen3-Next linear-attention sizes, fp32; "
-        "m = k is one rejected draft (the longest replay), 'mean' averages m = 1..k.",
+        f"## {FAMILIES[result['family']]['title']}",
         "",
         "| k | verify forward (ms) | replay m=k (ms) | replay / verify | replay mean (ms) "
         "| re-forward m=k (ms) | re-forward / replay "
@@ -151,41 +180,85 @@ def write_report(result: dict) -> None:
         )
     lines += [
         "",
-        "Per-position state copies roll back by picking a stored state (no compute): their "
-        "cost is the memory above, written during every verify forward. Snapshot + re-forward also keeps the hidden input of each token "
-        f"({rows[0]['reforward_bytes_per_token'] / 1024:.0f} KiB) to run it again. Every strategy "
-        f"holds the pre-forward state ({rows[0]['snapshot_bytes'] / 2**20:.1f} MiB a layer): ours "
-        "as the rollback snapshot, the others as the state they restore or start from.",
+        f"Snapshot + re-forward also keeps the hidden input of each token "
+        f"({rows[0]['reforward_bytes_per_token'] / 1024:.0f} KiB) to run it again. Every strategy holds "
+        f"the pre-forward state ({rows[0]['snapshot_bytes'] / 2**20:.1f} MiB a layer): ours as the "
+        "rollback snapshot, the others as the state they restore or start from.",
+        "",
     ]
-    (RESULTS / "rollback_cost.md").write_text("\n".join(lines) + "\n")
+    return lines
 
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
-    ks = [r["k"] for r in rows]
-    ax_time.plot(ks, [r["verify_ms"] for r in rows], "k--", label="verify forward (k+1 tokens)")
-    ax_time.plot(ks, [r["replay_ms"] for r in rows], "o-", label="replay rollback (ours), m=k")
-    ax_time.plot(ks, [r["reforward_ms"] for r in rows], "s-", label="snapshot + re-forward, m=k")
-    ax_time.set(xlabel="draft tokens k", ylabel="ms per layer", yscale="log", title="time")
-    ax_time.legend(fontsize=8)
-    ax_mem.bar(["replay (ours)", "per-position copies"],
-               [rows[-1]["ours_bytes_per_token"] / 1024, rows[-1]["per_position_bytes_per_token"] / 1024])
-    ax_mem.set(ylabel="KiB per speculative token per layer", yscale="log", title="memory")
-    fig.suptitle(f"GDN rollback cost ({result['blas'].split(' (')[0]})", fontsize=9)
+
+def write_report(results: list, repeats: int) -> None:
+    blas = results[0]["blas"]
+    lines = [
+        "# Exact recurrent-layer rollback: replay vs snapshot + re-forward vs per-position state copies",
+        "",
+        f"BLAS: {blas}. dtype: float32. Medians of {repeats} repeats, per layer; m = k is one rejected "
+        "draft (the longest replay), 'mean' averages m = 1..k. Per-position state copies roll back by "
+        "picking a stored state (no compute): their cost is the memory below, written during every "
+        "verify forward.",
+        "",
+    ]
+    for result in results:
+        lines += table(result)
+    (RESULTS / "rollback_cost.md").write_text("\n".join(lines).rstrip() + "\n")
+    (RESULTS / "rollback_cost.json").write_text(json.dumps(dict(repeats=repeats, results=results), indent=1) + "\n")
+    print("\n".join(lines))
+    try:
+        write_plot(results)
+    except ImportError:
+        print("matplotlib is not installed: results/rollback_cost.png not rewritten; install it and run "
+              "with --replot to draw it from results/rollback_cost.json", file=sys.stderr)
+
+
+def write_plot(results: list) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
+    for result, (ax_time, ax_mem) in zip(results, axes):
+        rows, title = result["rows"], FAMILIES[result["family"]]["title"]
+        ks = [r["k"] for r in rows]
+        ax_time.plot(ks, [r["verify_ms"] for r in rows], "k--", label="verify forward (k+1 tokens)")
+        ax_time.plot(ks, [r["replay_ms"] for r in rows], "o-", label="replay rollback (ours), m=k")
+        ax_time.plot(ks, [r["reforward_ms"] for r in rows], "s-", label="snapshot + re-forward, m=k")
+        ax_time.set(xlabel="draft tokens k", ylabel="ms per layer", yscale="log", title=f"{title}: time")
+        ax_time.legend(fontsize=8)
+        ax_mem.bar(["replay (ours)", "per-position copies"],
+                   [rows[-1]["ours_bytes_per_token"] / 1024, rows[-1]["per_position_bytes_per_token"] / 1024])
+        ax_mem.set(ylabel="KiB per speculative token per layer", yscale="log", title=f"{title}: memory")
+    fig.suptitle(f"Recurrent rollback cost ({results[0]['blas'].split(' (')[0]}, float32)", fontsize=9)
     fig.tight_layout()
     fig.savefig(RESULTS / "rollback_cost.png", dpi=120)
-    print("\n".join(lines))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated, from: " + ", ".join(FAMILIES))
+    parser.add_argument("--family", choices=list(FAMILIES), help=argparse.SUPPRESS)  # the worker's
+    parser.add_argument("--replot", action="store_true",
+                        help="measure nothing: rewrite the table and plot from results/rollback_cost.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.repeats)))
+        print(json.dumps(worker(args.family, args.repeats)))
         return
+    if args.replot:
+        saved = json.loads((RESULTS / "rollback_cost.json").read_text())
+        write_report(saved["results"], saved["repeats"])
+        return
+    families = args.families.split(",")
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        parser.error(f"--families: unknown {unknown}; choose from {list(FAMILIES)}")
     (blas,) = resolve_blas_choices(args.blas)
-    write_report(run_worker(__file__, blas, ["--repeats", str(args.repeats)]))
+    results = [run_worker(__file__, blas, ["--family", f, "--repeats", str(args.repeats)]) for f in families]
+    write_report(results, args.repeats)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 from .cache_prompt import fill_cache
 from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int, str2bool
-from .drafters import ids_within
+from .drafters import PromptLookup, ids_within
 from .generate import GenerationResponse, check_same_tokenizer, stream_generate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import KVCache, make_prompt_cache
@@ -50,17 +50,22 @@ HELP_COMMAND = "h"
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
-    """--draft-model and --num-draft-tokens (read by load_with_speculation)."""
+    """--draft-model, --prompt-lookup and --num-draft-tokens (read by load_with_speculation)."""
     parser.add_argument("--draft-model", default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="Speculative decoding without a draft model: draft the tokens that followed the "
+                        "latest earlier occurrence of the last few tokens")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=None,
                         help=f"At most this many tokens drafted per target forward (default: "
-                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model)")
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model or --prompt-lookup)")
 
 
 def check_speculation_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.num_draft_tokens is not None and args.draft_model is None:
-        parser.error(f"--num-draft-tokens {args.num_draft_tokens} needs --draft-model")
+    if args.draft_model is not None and args.prompt_lookup:
+        parser.error("--prompt-lookup and --draft-model are two drafters; give one")
+    if args.num_draft_tokens is not None and args.draft_model is None and not args.prompt_lookup:
+        parser.error(f"--num-draft-tokens {args.num_draft_tokens} needs --draft-model or --prompt-lookup")
 
 
 def load_with_speculation(args: argparse.Namespace) -> Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]:
@@ -75,6 +80,8 @@ def load_with_speculation(args: argparse.Namespace) -> Tuple[nn.Module, Tokenize
         check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
         speculation.update(draft_model=draft_model,
                            num_draft_tokens=args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
+    if args.prompt_lookup:
+        speculation.update(prompt_lookup=True, num_draft_tokens=args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
     return model, tokenizer, speculation
 
 
@@ -104,7 +111,8 @@ class ChatSession:
     """A conversation and the prompt caches that hold it (see the module docstring).
 
     `generation_kwargs` go to stream_generate every turn (sampler, and speculation's
-    `draft_model`, `num_draft_tokens`); with a `draft_model` a cache is the target's
+    `draft_model` or `prompt_lookup`, `num_draft_tokens`; a prompt lookup sees the whole
+    conversation); with a `draft_model` a cache is the target's
     entries followed by the draft's, as speculation expects. `stored` keeps the caches
     by the tokens they hold: after a turn, the one holding the conversation so far,
     and for a cache that may not trim (recurrent states, sliding windows) a copy at the
@@ -166,9 +174,13 @@ class ChatSession:
         answer, clean_stop = "", False
         try:
             remaining = self._store_prompt(tokens, fetched.remaining, prompt_cache)
+            kwargs = dict(self.generation_kwargs)
+            if kwargs.pop("prompt_lookup", False):
+                # The lookup also sees the conversation already in the cache.
+                kwargs["drafter"] = PromptLookup(context=tokens[: len(tokens) - len(remaining)])
             with contextlib.closing(stream_generate(
                 self.model, self.tokenizer, remaining, max_tokens=self.max_tokens,
-                prompt_cache=prompt_cache, **self.generation_kwargs,
+                prompt_cache=prompt_cache, **kwargs,
             )) as responses:
                 for response in responses:
                     if not generated:

@@ -107,7 +107,8 @@ def test_second_turn_feeds_only_new_tokens_and_answers_as_a_fresh_run(tiny_model
     model, tokenizer = load(str(tiny_model_dir))
     draft_model, _ = load(str(noisy_draft_dir))
     answers, lengths = fresh_conversation(model, tokenizer, TURNS)
-    for speculation in ({}, {"draft_model": draft_model, "num_draft_tokens": 2}):
+    for speculation in ({}, {"draft_model": draft_model, "num_draft_tokens": 2},
+                        {"prompt_lookup": True, "num_draft_tokens": 3}):
         session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS, generation_kwargs=speculation)
         held = []
         for i, text in enumerate(TURNS):
@@ -232,7 +233,8 @@ def test_bad_flags_are_usage_errors_also_through_the_dispatcher(monkeypatch, cap
     from mlx_lm import cli
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the dispatcher rewrites it
-    for argv, message in ((["--num-draft-tokens", "2"], "--num-draft-tokens 2 needs --draft-model"),
+    for argv, message in ((["--num-draft-tokens", "2"], "--num-draft-tokens 2 needs --draft-model or --prompt-lookup"),
+                          (["--prompt-lookup", "--draft-model", "d"], "--prompt-lookup and --draft-model are two drafters; give one"),
                           (["--max-tokens", "0"], "argument --max-tokens/-m: expected a positive integer, got 0")):
         with pytest.raises(SystemExit) as exited:
             cli.main(["chat", *argv])

@@ -15,6 +15,7 @@ from draft_policy_sim import CAP, PROFILES, fixed_rates, simulate  # noqa: E402
 
 from mlx_lm.drafters import (  # noqa: E402
     DraftLengthPolicy,
+    PromptLookup,
     acceptance_evidence,
     best_draft_length,
     expected_tokens,
@@ -199,3 +200,68 @@ def test_choose_only_reads_what_update_learned():
     policy = DraftLengthPolicy(6)
     simulate(policy, FLOAT16[:7], lambda r: 0.7, 200, seed=7)
     assert len(set(policy.choose() for _ in range(3))) == 1
+
+
+def test_choose_after_plain_is_what_choose_says_after_a_plain_round():
+    """A pipelined plain stretch decides whether its next step is plain before this
+    step is learned: choose_after_plain() must give what choose() gives once it is
+    (its time aside), also on the probe rounds, or the probes from k = 0 are lost."""
+    policy = DraftLengthPolicy(4, probe_interval=4)
+    for _ in range(6):
+        policy.update(2, 0, 0.02)  # nothing accepted: plain steps are best
+    probes = 0
+    for _ in range(40):
+        ahead = policy.choose_after_plain()
+        policy.update(0, 0, 0.01)
+        assert policy.choose() == ahead
+        if ahead > 0:
+            probes += 1
+            policy.update(ahead, 0, 0.03)
+    assert probes >= 40 // 5 - 1
+
+
+# ---------------------------------------------------------------------------
+# PromptLookup
+
+
+def naive_lookup(tokens, num_draft, max_n, min_n):
+    """The continuation of the latest earlier occurrence of the longest suffix, by
+    scanning, repeated with its period where it runs into the end."""
+    end = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if end < n:
+            continue
+        starts = [p for p in range(n, end) if tokens[p - n : p] == tokens[end - n :]]
+        if starts:
+            start = starts[-1]
+            return [tokens[start + i % (end - start)] for i in range(num_draft)]
+    return []
+
+
+@pytest.mark.parametrize("max_n,min_n", [(3, 1), (4, 2), (1, 1)])
+def test_prompt_lookup_matches_a_scan_after_every_token(max_n, min_n):
+    rng = random.Random(max_n * 10 + min_n)
+    tokens = [rng.choice([1, 2, 3, 4, 5, 6]) if rng.random() < 0.6 else rng.randrange(50) for _ in range(300)]
+    lookup = PromptLookup(max_n, min_n)
+    for i, token in enumerate(tokens):
+        lookup.extend([token])
+        for num_draft in (1, 4):
+            assert lookup.lookup(num_draft) == naive_lookup(tokens[: i + 1], num_draft, max_n, min_n), (i, num_draft)
+
+
+def test_truncating_the_index_undoes_exactly_what_extending_did():
+    rng = random.Random(3)
+    tokens = [rng.randrange(8) for _ in range(200)]
+    lookup = PromptLookup(3, 1, context=tokens[:50])
+    for cut in (199, 120, 50, 7, 0):
+        lookup.extend(tokens[len(lookup.tokens) :])
+        lookup.truncate(cut)
+        fresh = PromptLookup(3, 1, context=tokens[:cut])
+        assert lookup.tokens == fresh.tokens and lookup.latest == fresh.latest
+        assert lookup.replaced == fresh.replaced, cut
+
+
+def test_prompt_lookup_rejects_bad_sizes():
+    for sizes in ((0, 1), (2, 3), (3, 0)):
+        with pytest.raises(ValueError, match="min_ngram_size <= max_ngram_size"):
+            PromptLookup(*sizes)

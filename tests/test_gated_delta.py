@@ -13,9 +13,9 @@ from mlx_lm.models.gated_delta import (
     CHUNKS_PER_BLOCK,
     compute_g,
     gated_delta_chunked,
+    gated_delta_recurrence,
     gated_delta_replay,
     gated_delta_sequential,
-    gated_delta_update,
     unit_lower_inverse,
 )
 
@@ -120,7 +120,7 @@ def test_state_carried_between_calls():
     for split in (1, CHUNK_SIZE, 57):
         pieces, s = [], state
         for piece in (slice(0, split), slice(split, None)):
-            y, s = gated_delta_update(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], s)
+            y, s = gated_delta_recurrence(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], s)
             pieces.append(y)
         assert relative_error(mx.concatenate(pieces, axis=1), y_all) < FP32_TOLERANCE
         assert relative_error(s, state_all) < FP32_TOLERANCE
@@ -139,33 +139,33 @@ def test_strong_forgetting_stays_finite():
     assert relative_error(s_chunk, s_seq) < 5e-5
 
 
-def test_update_dispatches_by_length():
+def test_recurrence_dispatches_by_length():
     """Below CHUNKED_MIN_TOKENS the dispatcher is the sequential path, bit for bit; from
     it on, the chunked one."""
     for T, path in ((CHUNKED_MIN_TOKENS - 1, gated_delta_sequential), (CHUNKED_MIN_TOKENS, gated_delta_chunked)):
         inputs = make_inputs(T=T, seed=T)
-        y, state = gated_delta_update(*inputs)
+        y, state = gated_delta_recurrence(*inputs)
         y_path, state_path = path(*inputs)
         assert mx.array_equal(y, y_path) and mx.array_equal(state, state_path)
 
 
-def test_update_defaults_to_zero_state_and_keeps_dtypes():
+def test_recurrence_defaults_to_zero_state_and_keeps_dtypes():
     q, k, v, g, beta, _ = make_inputs(T=3)
-    y, state = gated_delta_update(q, k, v, g, beta)
-    y_zero, _ = gated_delta_update(q, k, v, g, beta, mx.zeros(state.shape))
+    y, state = gated_delta_recurrence(q, k, v, g, beta)
+    y_zero, _ = gated_delta_recurrence(q, k, v, g, beta, mx.zeros(state.shape))
     assert mx.array_equal(y, y_zero)
-    y, state = gated_delta_update(q, k, v.astype(mx.bfloat16), g, beta)
+    y, state = gated_delta_recurrence(q, k, v.astype(mx.bfloat16), g, beta)
     assert y.dtype == mx.bfloat16 and state.dtype == mx.float32
 
 
-def test_update_rejects_bad_shapes():
+def test_recurrence_rejects_bad_shapes():
     q, k, v, g, beta, state = make_inputs(Hk=2, Hv=4)
     with pytest.raises(ValueError, match="multiple of key heads"):
-        gated_delta_update(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
+        gated_delta_recurrence(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
     with pytest.raises(ValueError, match="state has shape"):
-        gated_delta_update(q, k, v, g, beta, state[:, :2])
+        gated_delta_recurrence(q, k, v, g, beta, state[:, :2])
     with pytest.raises(ValueError, match="disagree"):
-        gated_delta_update(q, k, v, g[:, :2], beta)
+        gated_delta_recurrence(q, k, v, g[:, :2], beta)
 
 
 def test_unit_lower_inverse_matches_numpy():

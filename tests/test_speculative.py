@@ -89,7 +89,8 @@ _reference_logits = {}
 def reference(side_model, tokens, max_kv_size=None):
     """Sizes and logits for FOLLOW of a fresh cache fed `tokens` the way the draft
     feeds them (all but the prompt's last token in one forward, then one by one).
-    Memoised: the failure sweeps end at the same tokens many times."""
+    Memoised: the failure sweeps end at the same tokens many times. An entry keeps its
+    model alive, so no other model can reuse the id it is filed under."""
     key = (id(side_model), tuple(tokens), max_kv_size)
     if key not in _reference_logits:
         fresh = make_prompt_cache(side_model, max_kv_size)
@@ -99,8 +100,8 @@ def reference(side_model, tokens, max_kv_size=None):
         for token in tokens[head:]:
             side_model(mx.array([[token]]), cache=fresh)
         sizes = [c.size() for c in fresh]
-        _reference_logits[key] = sizes, side_model(FOLLOW, cache=fresh)
-    return _reference_logits[key]
+        _reference_logits[key] = side_model, sizes, side_model(FOLLOW, cache=fresh)
+    return _reference_logits[key][1:]
 
 
 def assert_holds(side_model, prompt_cache, tokens, exact, where="", max_kv_size=None):

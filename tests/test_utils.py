@@ -84,7 +84,8 @@ def test_missing_path_and_offline_repo_errors(tmp_path):
         (dict(hidden_size=32), ValueError, "shape mismatches: model.embed_tokens.weight"),
         (dict(num_hidden_layers=3), ValueError, "missing 9 weights: model.layers.2"),
         (dict(num_attention_heads=3, num_key_value_heads=2), ValueError, "multiple of num_key_value_heads"),
-        (dict(rope_scaling={"rope_type": "longrope"}), ValueError, "Unsupported rope_type 'longrope'"),
+        (dict(rope_scaling={"rope_type": "longrope"}), ValueError, "longrope rope scaling needs short_factor and long_factor"),
+        (dict(rope_scaling={"rope_type": "unknown"}), ValueError, "Unsupported rope_type 'unknown'"),
     ],
 )
 def test_bad_configs_get_clear_errors(tmp_path, changes, error, message):

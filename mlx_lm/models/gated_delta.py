@@ -256,8 +256,8 @@ def gated_delta_update(
     v: mx.array,
     a: mx.array,
     b: mx.array,
-    A_log: Optional[mx.array] = None,
-    dt_bias: Optional[mx.array] = None,
+    A_log: mx.array,
+    dt_bias: mx.array,
     state: Optional[mx.array] = None,
     mask: Optional[mx.array] = None,
     use_kernel: bool = True,
@@ -271,15 +271,7 @@ def gated_delta_update(
     Dv) in v's dtype and the state in its own dtype. `use_kernel` picks this package's
     fast path (`gated_delta_recurrence`: stepping or chunked by length); False runs the
     plain step-by-step recurrence, the reference (there is no Metal kernel here).
-
-    TODO(#18): the fork's qwen3_next still calls this as (q, k, v, g, beta[, state]),
-    the older form, recognised by dt_bias missing; switch it to gated_delta_recurrence
-    and drop that form.
     """
-    if dt_bias is None:
-        if (A_log is not None and A_log.ndim != 4) or mask is not None or not use_kernel:
-            raise ValueError("gated_delta_update needs A_log and dt_bias (Hv,) with raw gate inputs a and b")
-        return gated_delta_recurrence(q, k, v, a, b, A_log)
     g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b.astype(mx.float32))  # (B, T, Hv)
     if mask is not None:  # a padding step: g = 1 and beta = 0 keep the state as it is
         g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)

@@ -89,6 +89,7 @@ class SparseMoeBlock(nn.Module):
 class DecoderLayer(llama.TransformerBlock):
     def __init__(self, args: ModelArgs, layer_idx: int):
         nn.Module.__init__(self)
+        self.layer_type = args.layer_types[layer_idx]
         self.self_attn = Attention(args)
         if args.is_moe_layer(layer_idx):
             self.mlp = SparseMoeBlock(args)
@@ -104,6 +105,7 @@ class Qwen3MoeModel(llama.LlamaModel):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.sliding_window = args.sliding_window
 
 
 class Model(llama.Model):

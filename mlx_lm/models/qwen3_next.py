@@ -38,7 +38,7 @@ from .base import (
 )
 from . import sharding
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_g, gated_delta_replay, gated_delta_update
+from .gated_delta import compute_g, gated_delta_recurrence, gated_delta_replay
 from .llama import MLP
 from .rope_utils import initialize_rope, resolve_rope
 from .switch_layers import SwitchGLU
@@ -286,7 +286,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.heads(nn.silu(causal_conv1d(conv_input, self.conv1d.weight)))
         g, beta = compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b.astype(mx.float32))  # (B, T, Hv)
         state = None if cache is None else cache[RECURRENT_STATE]
-        y, new_state = gated_delta_update(q, k, v, g, beta, state)  # (B, T, Hv, Dv)
+        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)  # (B, T, Hv, Dv)
         if cache is not None:
             if cache.speculating:
                 replay = partial(replay_prefix, conv_input, q, k, v, g, beta, state)

@@ -361,6 +361,9 @@ def _yarn_from_config(dims, base, traditional, config, max_position_embeddings) 
 
 def _longrope_from_config(dims, base, traditional, config, max_position_embeddings) -> SuScaledRoPE:
     original = _original_context(config, "longrope")
+    missing = [key for key in ("short_factor", "long_factor") if config.get(key) is None]
+    if missing:
+        raise ValueError(f"longrope rope scaling needs {' and '.join(missing)} (per-frequency factor lists)")
     mscale = config.get("attention_factor")
     if mscale is None and config.get("factor") is not None:
         mscale = longrope_attention_factor(config["factor"], original)
