@@ -18,13 +18,15 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
 
 from mlx_lm import distributed
 from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
 from mlx_lm.generate import main as generate_main
 from mlx_lm.models.sharding import parameter_bytes
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import load_model, sharded_load
+from mlx_lm.utils import get_model_classes, load_model, sharded_load
 
 
 def plain(model, prompt, max_tokens):
@@ -62,10 +64,47 @@ def match(spec, group):
             "layer_bytes": [sum(parameter_bytes(layer) for layer in m.layers) for m in (full, model)],
             "bytes": [parameter_bytes(full), parameter_bytes(model)],
         }
+    results["logits"] = logits(spec, group)
     Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(results))
     if spec.get("cli"):  # the command line, in this process: it shards by itself
         with open(Path(spec["out"], f"cli{group.rank()}.txt"), "w") as f, contextlib.redirect_stdout(f):
             generate_main(spec["cli"])
+
+
+def random_model(config, quantize):
+    """The same random model on every rank (seeded), quantized (8 bits, groups of 32) if asked."""
+    model_class, args_class = get_model_classes(config)
+    mx.random.seed(1)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda v: mx.random.normal(v.shape) * 0.5, model.parameters()))
+    if quantize:
+        nn.quantize(model, group_size=32, bits=8)
+    mx.eval(model.parameters())
+    return model
+
+
+def decode_logits(model, prompt, num_decoded=4):
+    """Logits of a full forward (no cache), then of a prefill and num_decoded single-token
+    steps through the model's caches: (1, L, vocab) each."""
+    full = model(prompt[None])
+    cache = model.make_cache()
+    steps = [model(prompt[None, :-num_decoded], cache)]
+    steps += [model(prompt[None, i : i + 1], cache) for i in range(prompt.size - num_decoded, prompt.size)]
+    return full, mx.concatenate(steps, axis=1)
+
+
+def logits(spec, group):
+    """Sharded vs unsharded logits (relative max error) and layer bytes, per family."""
+    prompt, results = mx.array(spec["prompt"]), {}
+    for name, (config, quantize) in spec["configs"].items():
+        full, sharded = random_model(config, quantize), random_model(config, quantize)
+        sharded.shard(group)
+        errors = []
+        for a, b in zip(decode_logits(full, prompt), decode_logits(sharded, prompt)):
+            errors.append((mx.abs(a - b).max() / mx.abs(a).max()).item())
+        layer_bytes = [sum(parameter_bytes(layer) for layer in m.layers) for m in (full, sharded)]
+        results[name] = {"errors": errors, "layer_bytes": layer_bytes}
+    return results
 
 
 def die(spec, group):

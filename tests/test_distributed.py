@@ -24,6 +24,25 @@ WORKER = str(ROOT / "tests" / "distributed_worker.py")
 # Repeats, so prompt lookup finds matches; longer than gpt_oss's window of 8.
 PROMPT = [5, 9, 33, 7, 100, 3, 5, 9, 33, 7, 12, 40, 41, 5, 9, 33]
 FAMILIES = ("llama", "gpt_oss", "qwen3_next")
+# Every other family, and quantized layers, checked by logits: [config, quantize].
+HYBRID_TEXT = dict(TINY_CONFIGS["qwen3_next"], model_type="qwen3_5_text")
+LOGIT_CONFIGS = {
+    "qwen3": [TINY_CONFIGS["qwen3"], False],
+    "qwen3_moe": [dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1], vocab_size=256), True],
+    "phi3": [dict(model_type="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, sliding_window=8), False],
+    "gemma3_text": [dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                         sliding_window=8, sliding_window_pattern=2, vocab_size=256), False],
+    "lfm2": [dict(model_type="lfm2", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, block_auto_adjust_ff_dim=False, conv_bias=True,
+                  layer_types=["conv", "full_attention"]), False],
+    "qwen3_5": [{"model_type": "qwen3_5", "text_config": dict(HYBRID_TEXT, num_experts=0)}, False],
+    "qwen3_5_moe": [{"model_type": "qwen3_5_moe", "text_config": HYBRID_TEXT}, False],
+    "llama_quantized": [dict(TINY_CONFIGS["llama"], vocab_size=256), True],
+}
 
 
 class FakeGroup:
@@ -48,7 +67,8 @@ def checkpoints(tmp_path_factory):
 
 
 def worker(mode, targets, tmp_path, max_tokens, cli=None, **kwargs):
-    spec = dict(mode=mode, out=str(tmp_path), prompt=PROMPT, max_tokens=max_tokens, targets=targets, cli=cli)
+    spec = dict(mode=mode, out=str(tmp_path), prompt=PROMPT, max_tokens=max_tokens, targets=targets, cli=cli,
+                configs=LOGIT_CONFIGS)
     return run_ranks([sys.executable, WORKER, json.dumps(spec)], **kwargs)
 
 
@@ -92,6 +112,11 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
         assert 0 < accepted < drafted, (name, accepted, drafted)  # rejections: rollbacks ran
         assert r0["sampled"] == r1["sampled"], name  # identical decisions under sampling
         assert r0["speculative_counts"] == r1["speculative_counts"], name
+    for name in LOGIT_CONFIGS:
+        for got in (per_rank[0]["logits"][name], per_rank[1]["logits"][name]):
+            assert max(got["errors"]) < 1e-4, (name, got["errors"])  # float32: the sum's order differs
+            full_layers, rank_layers = got["layer_bytes"]
+            assert 0.45 < rank_layers / full_layers < 0.55, (name, rank_layers / full_layers)
     # The command line sharded by itself, printed on rank 0 only, and printed what one process prints.
     single = io.StringIO()
     with contextlib.redirect_stdout(single):

@@ -321,8 +321,7 @@ class Model(nn.Module):
             attn = layer.self_attn
             attn.sinks = sharding.take_shard(attn.sinks, group)
             attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group)
-            sharding.shard_switch_glu(layer.mlp.experts, group)
-            sharding.sum_outputs(layer.mlp, group)
+            sharding.shard_moe(layer.mlp, layer.mlp.experts, group)
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:
         # Routing decisions are sensitive to small logit errors: keep the router at 8 bits.

@@ -532,9 +532,8 @@ class Model(nn.Module):
                     attn, attn.num_heads, attn.num_kv_heads, group
                 )
             if isinstance(layer.mlp, SparseMoeBlock):
-                sharding.shard_switch_glu(layer.mlp.switch_mlp, group)
                 sharding.shard_mlp(layer.mlp.shared_expert, group, reduce=False)
-                sharding.sum_outputs(layer.mlp, group)  # routed + gated shared expert, summed once
+                sharding.shard_moe(layer.mlp, layer.mlp.switch_mlp, group)  # routed + gated shared, summed once
             else:
                 sharding.shard_mlp(layer.mlp, group)
 

@@ -73,26 +73,30 @@ def shard_projections(module: nn.Module, names: Sequence[str], sharding: str,
         setattr(module, name, shard_linear(layer, sharding, segments=segments, group=group))
 
 
-def shard_attention(attn: nn.Module, num_heads: int, num_kv_heads: int,
-                    group: mx.distributed.Group) -> Tuple[int, int]:
-    """Split q/k/v_proj by heads and o_proj by the matching input columns (it all-sums);
-    returns the (query, kv) head counts per rank, which the caller stores."""
+def shard_attention(attn: nn.Module, num_heads: int, num_kv_heads: int, group: mx.distributed.Group, *,
+                    qkv: Sequence[str] = ("q_proj", "k_proj", "v_proj"), out: str = "o_proj",
+                    qkv_segments=1) -> Tuple[int, int]:
+    """Split the `qkv` projections by heads (`qkv_segments`: the offsets of q, k and v
+    in a fused one) and `out` by the matching input columns (it all-sums); returns the
+    (query, kv) head counts per rank, which the caller stores."""
     heads = per_rank(num_heads, group, "num_attention_heads")
     kv_heads = per_rank(num_kv_heads, group, "num_key_value_heads")
-    shard_projections(attn, ("q_proj", "k_proj", "v_proj"), ALL_TO_SHARDED, group)
-    shard_projections(attn, ("o_proj",), SHARDED_TO_ALL, group)
+    shard_projections(attn, qkv, ALL_TO_SHARDED, group, segments=qkv_segments)
+    shard_projections(attn, (out,), SHARDED_TO_ALL, group)
     return heads, kv_heads
 
 
-def shard_mlp(mlp: nn.Module, group: mx.distributed.Group, *, reduce: bool = True) -> None:
-    """gate/up_proj by hidden units, down_proj by the matching columns. With
-    `reduce=False` down_proj is only sliced, not all-summed: its caller sums a larger
-    expression once (see `sum_outputs`)."""
-    shard_projections(mlp, ("gate_proj", "up_proj"), ALL_TO_SHARDED, group)
+def shard_mlp(mlp: nn.Module, group: mx.distributed.Group, *, reduce: bool = True,
+              inputs: Sequence[str] = ("gate_proj", "up_proj"), output: str = "down_proj", segments=1) -> None:
+    """The `inputs` projections (gate/up; `segments` pieces if fused) by hidden units,
+    `output` (down_proj) by the matching columns. With `reduce=False` the output layer
+    is only sliced, not all-summed: its caller sums a larger expression once (see
+    `sum_outputs`)."""
+    shard_projections(mlp, inputs, ALL_TO_SHARDED, group, segments=segments)
     if reduce:
-        shard_projections(mlp, ("down_proj",), SHARDED_TO_ALL, group)
+        shard_projections(mlp, (output,), SHARDED_TO_ALL, group)
     else:
-        slice_input_columns(mlp.down_proj, group)
+        slice_input_columns(getattr(mlp, output), group)
 
 
 def slice_input_columns(linear: nn.Linear, group: mx.distributed.Group) -> None:
@@ -129,6 +133,14 @@ def shard_switch_glu(glu: SwitchGLU, group: mx.distributed.Group) -> None:
     shard_switch_linear(glu.gate_proj, ALL_TO_SHARDED, group)
     shard_switch_linear(glu.up_proj, ALL_TO_SHARDED, group)
     shard_switch_linear(glu.down_proj, SHARDED_TO_ALL, group)
+
+
+def shard_moe(moe: nn.Module, experts: SwitchGLU, group: mx.distributed.Group) -> None:
+    """A mixture-of-experts block whose output is a weighted sum of `experts`' outputs
+    (plus any dense term the caller slices with reduce=False): every expert's hidden
+    units split across ranks, the block's output all-summed once."""
+    shard_switch_glu(experts, group)
+    sum_outputs(moe, group)
 
 
 @functools.lru_cache(maxsize=None)
