@@ -47,7 +47,9 @@ def run_ranks(command: Sequence[str], n: int = 2, timeout: float = 60.0, stop_ot
     workdir = Path(tempfile.mkdtemp(prefix="ranks_"))
     hostfile = workdir / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(n)]))
-    base = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", MLX_HOSTFILE=str(hostfile), **(env or {}))
+    base = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **(env or {}))
+    if n > 1:  # one rank runs alone, as mlx.launch starts it (no ring to join)
+        base["MLX_HOSTFILE"] = str(hostfile)
     processes, logs = [], []
     for rank in range(n):
         out, err = open(workdir / f"{rank}.out", "w"), open(workdir / f"{rank}.err", "w")
