@@ -42,6 +42,15 @@ LOGIT_CONFIGS = {
     "qwen3_5": [{"model_type": "qwen3_5", "text_config": dict(HYBRID_TEXT, num_experts=0)}, False],
     "qwen3_5_moe": [{"model_type": "qwen3_5_moe", "text_config": HYBRID_TEXT}, False],
     "llama_quantized": [dict(TINY_CONFIGS["llama"], vocab_size=256), True],
+    "nemotron_h_quantized": [dict(model_type="nemotron_h", vocab_size=256, hidden_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8,
+                                  ssm_state_size=16, n_groups=2, intermediate_size=128, hybrid_override_pattern="M*ME",
+                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                  moe_shared_expert_intermediate_size=64), True],
+    "falcon_h1": [dict(model_type="falcon_h1", vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64,
+                       mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_rms_norm=True,
+                       ssm_multipliers=[0.5, 1.2, 0.8, 1.1, 0.9]), False],
 }
 
 

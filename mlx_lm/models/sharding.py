@@ -99,14 +99,23 @@ def shard_mlp(mlp: nn.Module, group: mx.distributed.Group, *, reduce: bool = Tru
         slice_input_columns(getattr(mlp, output), group)
 
 
-def slice_input_columns(linear: nn.Linear, group: mx.distributed.Group) -> None:
-    """Keep a float linear layer's input columns of this rank; a bias stays on rank 0
-    only, so the sum over ranks adds it once."""
-    if not isinstance(linear, nn.Linear):
-        raise ValueError(f"slice_input_columns takes a float nn.Linear, got {type(linear).__name__}")
-    linear.weight = take_shard(linear.weight, group, axis=-1)
-    if "bias" in linear and group.rank() != 0:
-        linear.bias = mx.zeros_like(linear.bias)
+def slice_input_columns(linear: nn.Module, group: mx.distributed.Group) -> None:
+    """Keep a linear layer's input columns of this rank, in place (float, or quantized:
+    packed weight, scales and biases alike, so N must divide its groups), summing
+    nothing; a bias stays on rank 0 only, so the caller's sum over ranks adds it once."""
+    if not isinstance(linear, (nn.Linear, nn.QuantizedLinear)):
+        raise ValueError(f"slice_input_columns takes a Linear or QuantizedLinear, got {type(linear).__name__}")
+    for name in ("weight", "scales", "biases"):
+        if name in linear:
+            linear[name] = take_shard(linear[name], group, axis=-1)
+    bias_on_rank0(linear, group)
+
+
+def bias_on_rank0(module: nn.Module, group: mx.distributed.Group) -> None:
+    """Zero `module`'s bias on every rank but 0: a layer applied to a partial sum (a
+    rank's share) must add its bias once, not once per rank."""
+    if "bias" in module and group.rank() != 0:
+        module.bias = mx.zeros_like(module.bias)
 
 
 def shard_switch_linear(layer: nn.Module, sharding: str, group: mx.distributed.Group) -> None:
@@ -121,11 +130,10 @@ def shard_switch_linear(layer: nn.Module, sharding: str, group: mx.distributed.G
     for name in ("weight", "scales", "biases"):
         if name in layer:
             layer[name] = take_shard(layer[name], group, axis=axis)
-    if "bias" in layer:
-        if sharding == ALL_TO_SHARDED:
-            layer.bias = take_shard(layer.bias, group, axis=-1)
-        elif group.rank() != 0:
-            layer.bias = mx.zeros_like(layer.bias)
+    if "bias" in layer and sharding == ALL_TO_SHARDED:
+        layer.bias = take_shard(layer.bias, group, axis=-1)
+    elif sharding == SHARDED_TO_ALL:
+        bias_on_rank0(layer, group)
 
 
 def shard_switch_glu(glu: SwitchGLU, group: mx.distributed.Group) -> None:
@@ -188,3 +196,33 @@ def shard_gated_delta(gdn: nn.Module, group: mx.distributed.Group, *,
     gdn.key_dim = gdn.num_key_heads * gdn.key_head_dim
     gdn.value_dim = gdn.num_value_heads * gdn.value_head_dim
     gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
+
+
+def mamba2_in_proj_pieces(mixer: nn.Module) -> List[int]:
+    """Offsets of [gate I | x I | B G*N | C G*N | dt H] in a Mamba-2 in_proj's rows."""
+    I, GN = mixer.intermediate_size, mixer.n_groups * mixer.state_size
+    return [I, 2 * I, 2 * I + GN, 2 * I + 2 * GN]
+
+
+def shard_mamba2(mixer: nn.Module, group: mx.distributed.Group) -> None:
+    """Keep this rank's heads of a Mamba-2 mixer (nemotron_h.Mamba2Mixer's attributes),
+    with the B/C groups they read: heads and groups are both contiguous, so with G
+    divisible by N a rank's heads read exactly its groups. in_proj splits each of its
+    five pieces, the conv each of [x | B | C], dt_bias / A_log / D per head and the
+    gated norm's weight per channel (its groups stay whole); out_proj all-sums. The
+    conv and SSM states, and the rollback records, then cover this rank's share."""
+    I, GN = mixer.intermediate_size, mixer.n_groups * mixer.state_size
+    in_pieces, conv_pieces = mamba2_in_proj_pieces(mixer), [I, I + GN]
+    mixer.num_heads = per_rank(mixer.num_heads, group, "mamba_num_heads")
+    mixer.n_groups = per_rank(mixer.n_groups, group, "n_groups")
+    shard_projections(mixer, ("in_proj",), ALL_TO_SHARDED, group, segments=in_pieces)
+    for name in ("weight", "bias"):
+        if name in mixer.conv1d:
+            mixer.conv1d[name] = take_shard(mixer.conv1d[name], group, axis=0, segments=conv_pieces)
+    for name in ("dt_bias", "A_log", "D"):
+        mixer[name] = take_shard(mixer[name], group)
+    if "norm" in mixer:
+        mixer.norm.weight = take_shard(mixer.norm.weight, group)
+    shard_projections(mixer, ("out_proj",), SHARDED_TO_ALL, group)
+    mixer.intermediate_size = mixer.num_heads * mixer.head_dim
+    mixer.conv_dim = mixer.intermediate_size + 2 * mixer.n_groups * mixer.state_size
