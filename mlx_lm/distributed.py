@@ -17,10 +17,12 @@ waits forever (mlx.launch also stops the remaining ranks once one exits non-zero
 """
 
 import contextlib
+import pickle
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import mlx.core as mx
+import numpy as np
 
 
 def world() -> mx.distributed.Group:
@@ -35,6 +37,17 @@ def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
         seed = int(mx.random.randint(0, 2**31 - 1, ()).item()) if group.rank() == 0 else 0
     mine = mx.array(seed if group.rank() == 0 else 0, dtype=mx.int32)
     return int(mx.distributed.all_sum(mine, group=group).item())
+
+
+def broadcast_object(obj: Any, group: mx.distributed.Group) -> Any:
+    """Rank 0's `obj` on every rank (the others pass anything, e.g. None): its pickle,
+    all-summed with zeros from the other ranks. Only for ranks of one job, which trust
+    each other as one program does."""
+    data = pickle.dumps(obj) if group.rank() == 0 else b""
+    size = int(mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=group).item())
+    mine = np.frombuffer(data, dtype=np.uint8) if group.rank() == 0 else np.zeros(size, dtype=np.uint8)
+    total = mx.distributed.all_sum(mx.array(mine), group=group)
+    return pickle.loads(bytes(np.array(total)))
 
 
 @contextlib.contextmanager

@@ -39,39 +39,50 @@ def free_ports(n: int) -> List[int]:
     return ports
 
 
-def run_ranks(command: Sequence[str], n: int = 2, timeout: float = 60.0, stop_others_on_failure: bool = True,
-              env: Optional[Dict[str, str]] = None) -> List[RankResult]:
-    """Start `command` as ranks 0..n-1 and wait for all. A rank that exits non-zero stops
-    the others (as mlx.launch does) unless `stop_others_on_failure` is False; at the
-    timeout every rank still running is killed (its returncode is None)."""
+def start_ranks(command: Sequence[str], n: int = 2, env: Optional[Dict[str, str]] = None) -> "Ranks":
+    """Start `command` as ranks 0..n-1; their output goes to files (see Ranks)."""
     workdir = Path(tempfile.mkdtemp(prefix="ranks_"))
     hostfile = workdir / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(n)]))
     base = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **(env or {}))
     if n > 1:  # one rank runs alone, as mlx.launch starts it (no ring to join)
         base["MLX_HOSTFILE"] = str(hostfile)
-    processes, logs = [], []
+    processes = []
     for rank in range(n):
-        out, err = open(workdir / f"{rank}.out", "w"), open(workdir / f"{rank}.err", "w")
-        logs.append((out, err))
-        processes.append(subprocess.Popen(list(command), cwd=ROOT, stdout=out, stderr=err,
-                                          stdin=subprocess.DEVNULL, env=dict(base, MLX_RANK=str(rank))))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-        if stop_others_on_failure and any(p.poll() not in (None, 0) for p in processes):
-            for p in processes:
-                if p.poll() is None:
-                    p.terminate()
-        time.sleep(0.05)
-    codes = [p.poll() for p in processes]
-    for p in processes:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    results = []
-    for rank, (out, err) in enumerate(logs):
-        out.close()
-        err.close()
-        text = (workdir / f"{rank}.out").read_text(), (workdir / f"{rank}.err").read_text()
-        results.append(RankResult(codes[rank], *text))
-    return results
+        with open(workdir / f"{rank}.out", "w") as out, open(workdir / f"{rank}.err", "w") as err:
+            processes.append(subprocess.Popen(list(command), cwd=ROOT, stdout=out, stderr=err,
+                                              stdin=subprocess.DEVNULL, env=dict(base, MLX_RANK=str(rank))))
+    return Ranks(processes, workdir)
+
+
+class Ranks:
+    def __init__(self, processes: List[subprocess.Popen], workdir: Path):
+        self.processes, self.workdir = processes, workdir
+
+    def stderr(self, rank: int) -> str:
+        return (self.workdir / f"{rank}.err").read_text()
+
+    def wait(self, timeout: float, stop_others_on_failure: bool = True) -> List[RankResult]:
+        """Wait for every rank; one that exits non-zero stops the others (as mlx.launch
+        does) unless `stop_others_on_failure` is False; at the timeout every rank still
+        running is killed (its returncode is None)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.processes):
+            if stop_others_on_failure and any(p.poll() not in (None, 0) for p in self.processes):
+                for p in self.processes:
+                    if p.poll() is None:
+                        p.terminate()
+            time.sleep(0.05)
+        codes = [p.poll() for p in self.processes]
+        for p in self.processes:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        return [RankResult(code, (self.workdir / f"{rank}.out").read_text(), self.stderr(rank))
+                for rank, code in enumerate(codes)]
+
+
+def run_ranks(command: Sequence[str], n: int = 2, timeout: float = 60.0, stop_others_on_failure: bool = True,
+              env: Optional[Dict[str, str]] = None) -> List[RankResult]:
+    """Start `command` as ranks 0..n-1 and wait for all (Ranks.wait)."""
+    return start_ranks(command, n, env).wait(timeout, stop_others_on_failure)

@@ -7,18 +7,23 @@ rank that dies ends the others with a clear error. Every run is bounded by a tim
 """
 
 import contextlib
+import http.client
 import io
 import json
+import re
 import sys
+import time
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from checkpoints import TINY_CONFIGS, write_checkpoint
+from mlx_lm.generate import generate
 from mlx_lm.generate import main as generate_main
 from mlx_lm.models import sharding
-from ranks import ROOT, run_ranks
+from mlx_lm.utils import load
+from ranks import ROOT, run_ranks, start_ranks
 
 WORKER = str(ROOT / "tests" / "distributed_worker.py")
 # Repeats, so prompt lookup finds matches; longer than gpt_oss's window of 8.
@@ -141,3 +146,52 @@ def test_a_dying_rank_ends_the_others_with_a_clear_error(checkpoints, tmp_path):
     assert ranks[0].returncode == 1, ranks[0].stderr[-2000:]  # ended by itself, not by the timeout
     assert "Error: rank 0 of 2 stopped" in ranks[0].stderr
     assert "Another rank probably failed" in ranks[0].stderr
+
+
+def post(url, path, body):
+    host, port = url[len("http://"):].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    status, data = response.status, response.read()
+    connection.close()
+    return status, data.decode()
+
+
+def wait_for_url(ranks, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(r"on (http://[\d.]+:\d+)", ranks.stderr(0))
+        if match:
+            return match.group(1)
+        assert all(p.poll() is None for p in ranks.processes), [ranks.stderr(r)[-2000:] for r in (0, 1)]
+        time.sleep(0.1)
+    pytest.fail(f"server did not start: {ranks.stderr(0)[-2000:]}")
+
+
+def test_server_on_two_ranks_answers_as_one_process_and_ends_when_a_rank_dies(checkpoints):
+    target, draft = checkpoints["qwen3_next"]
+    ranks = start_ranks([sys.executable, "-m", "mlx_lm.server", "--model", target, "--draft-model", draft,
+                         "--port", "0"])
+    try:
+        url = wait_for_url(ranks)
+        model, tokenizer = load(target)
+        expected = generate(model, tokenizer, "hello hello", max_tokens=10)
+        body = {"prompt": "hello hello", "max_tokens": 10, "temperature": 0}
+        for _ in range(2):  # the second from the prompt cache
+            status, text = post(url, "/v1/completions", body)
+            assert status == 200, text
+            assert json.loads(text)["choices"][0]["text"] == expected
+        status, text = post(url, "/v1/completions", dict(body, stream=True))
+        deltas = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert "".join(d["choices"][0]["text"] for d in deltas if d["choices"]) == expected
+        assert "Serving" not in ranks.stderr(1)  # only rank 0 serves and logs requests
+        ranks.processes[1].kill()
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            post(url, "/v1/completions", body)
+        results = ranks.wait(timeout=30, stop_others_on_failure=False)
+    finally:
+        for p in ranks.processes:
+            p.kill()
+    assert results[0].returncode == 1, results[0].stderr[-2000:]  # ended by itself, not by the timeout
+    assert "Error: rank 0 of 2 stopped serving" in results[0].stderr
