@@ -5,8 +5,8 @@ Each rank gets MLX_RANK and MLX_HOSTFILE (a JSON list, per rank, of "ip:port" it
 listens on), which is all the ring backend reads. Why not call mlx.launch itself: in
 mlx 0.32.4 its per-rank I/O thread selects on the child's always-writable stdin with a
 zero timeout, so every rank costs a spinning launcher thread; on a 2-core machine that
-makes a launch several times slower (measured: 15 s vs 2.5 s to import mlx_lm).
-`benchmarks/distributed.py` shows the same numbers through mlx.launch.
+makes a launch several times slower (measured: 15 s vs 2.5 s to import mlx_lm;
+`benchmarks/distributed.py --mlx-launch`: decode 4-5x slower).
 """
 
 import json

@@ -11,6 +11,7 @@ import http.client
 import io
 import json
 import re
+import socket
 import sys
 import time
 
@@ -150,12 +151,24 @@ def test_a_dying_rank_ends_the_others_with_a_clear_error(checkpoints, tmp_path):
 
 def post(url, path, body):
     host, port = url[len("http://"):].split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection = http.client.HTTPConnection(host, int(port), timeout=20)
     connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     status, data = response.status, response.read()
     connection.close()
     return status, data.decode()
+
+
+def disconnect_mid_stream(url, body):
+    """Read the start of a stream, then hang up."""
+    host, port = url[len("http://"):].split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        received = b""
+        while received.count(b"data: {") < 3:
+            received += sock.recv(4096)
 
 
 def wait_for_url(ranks, timeout=60.0):
@@ -185,6 +198,10 @@ def test_server_on_two_ranks_answers_as_one_process_and_ends_when_a_rank_dies(ch
         status, text = post(url, "/v1/completions", dict(body, stream=True))
         deltas = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         assert "".join(d["choices"][0]["text"] for d in deltas if d["choices"]) == expected
+        disconnect_mid_stream(url, dict(body, max_tokens=5000, stream=True))
+        status, text = post(url, "/v1/completions", body)  # the ranks stopped that job at the same token
+        assert status == 200 and json.loads(text)["choices"][0]["text"] == expected, text
+        assert "Client disconnected; stopped after" in ranks.stderr(0)
         assert "Serving" not in ranks.stderr(1)  # only rank 0 serves and logs requests
         ranks.processes[1].kill()
         with contextlib.suppress(OSError, http.client.HTTPException):
