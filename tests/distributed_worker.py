@@ -50,7 +50,10 @@ def match(spec, group):
     for name, (target_dir, draft_dir) in spec["targets"].items():
         full, _ = load_model(Path(target_dir))
         draft, _ = load_model(Path(draft_dir))
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
         model, _ = sharded_load(target_dir, tensor_group=group)
+        load_peak = mx.get_peak_memory() - before  # what loading the shard needed at most
         spec_tokens, spec_counts = speculative(model, prompt, max_tokens, draft)
         mx.random.seed(7)
         sampled, _ = speculative(model, prompt, max_tokens, draft, sampler=make_sampler(1.0))
@@ -63,6 +66,8 @@ def match(spec, group):
             "sampled": sampled,
             "layer_bytes": [sum(parameter_bytes(layer) for layer in m.layers) for m in (full, model)],
             "bytes": [parameter_bytes(full), parameter_bytes(model)],
+            "load_peak": load_peak,
+            "largest_layer": max(parameter_bytes(layer) for layer in full.layers),
         }
     results["logits"] = logits(spec, group)
     Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(results))

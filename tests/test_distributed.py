@@ -123,6 +123,10 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
             assert got["lookup"] == got["one_process"], name
             full_layers, rank_layers = got["layer_bytes"]
             assert 0.48 < rank_layers / full_layers < 0.53, (name, rank_layers / full_layers)
+            full_bytes, rank_bytes = got["bytes"]
+            # sharded_load never held the whole checkpoint: at most its shard plus one full layer.
+            assert got["load_peak"] <= rank_bytes + got["largest_layer"], (name, got["load_peak"])
+            assert got["load_peak"] < full_bytes, (name, got["load_peak"], full_bytes)
         accepted, drafted = r0["speculative_counts"]
         assert 0 < accepted < drafted, (name, accepted, drafted)  # rejections: rollbacks ran
         assert r0["sampled"] == r1["sampled"], name  # identical decisions under sampling

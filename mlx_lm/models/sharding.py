@@ -1,8 +1,8 @@
 """Tensor-parallel sharding over `mx.distributed`: the pieces every family's `shard` uses.
 
-Each rank of a group of N keeps 1/N of the heads of every attention (and Gated DeltaNet)
-layer and 1/N of the hidden units of every MLP and expert; embeddings, norms, routers
-and lm_head stay whole on every rank. A layer's input is the same on every rank; its
+Each rank of a group of N keeps 1/N of the heads of every attention, Gated DeltaNet and
+Mamba-2 layer (1/N of the channels of a short conv) and 1/N of the hidden units of every
+MLP and expert; embeddings, norms, routers and lm_head stay whole on every rank. A layer's input is the same on every rank; its
 "all-to-sharded" projections (q/k/v, gate/up) compute the rank's slice of the heads or
 hidden units, its "sharded-to-all" projection (o_proj, down_proj) multiplies that slice
 by the matching input columns, and one `all_sum` per mixer and per MLP adds the N
@@ -126,6 +126,8 @@ def shard_switch_linear(layer: nn.Module, sharding: str, group: mx.distributed.G
     here: the mixture of experts sums its weighted output once (`sum_outputs`)."""
     if not isinstance(layer, (SwitchLinear, QuantizedSwitchLinear)):
         raise ValueError(f"shard_switch_linear takes a SwitchLinear, got {type(layer).__name__}")
+    if sharding not in (ALL_TO_SHARDED, SHARDED_TO_ALL):
+        raise ValueError(f"sharding {sharding!r}: use {ALL_TO_SHARDED!r} or {SHARDED_TO_ALL!r}")
     axis = -2 if sharding == ALL_TO_SHARDED else -1
     for name in ("weight", "scales", "biases"):
         if name in layer:
