@@ -1,14 +1,19 @@
 """One rank of tests/test_distributed.py (started by tests/ranks.py, as mlx.launch would).
 
-argv: a JSON spec {"mode": "match" | "die", "out": dir, "prompt": [ids],
-"max_tokens": n, "targets": {name: [target_dir, draft_dir]}}.
+argv: a JSON spec. mode "match": {"out": dir, "prompt": [ids], "max_tokens": n,
+"targets": {name: [target_dir, draft_dir]}, "configs": {name: [config, quantize]},
+"cli": argv or None}; mode "die": {"prompt", "max_tokens", "config"}.
 
-match: for each target, the unsharded model's greedy plain tokens (what one process
-gives), then the sharded model's (sharded_load) greedy plain, draft-model speculative
-and prompt-lookup tokens, a seeded sampled speculative run, the speculation counts and
-the parameter bytes, written to out/rank<r>.json.
-die: rank 1 exits abruptly after its first sharded forward; rank 0 goes on generating,
-inside distributed.fail_together, as mlx_lm.generate does.
+match, on every rank, written to out/rank<r>.json: for each target, the unsharded
+model's greedy plain tokens (what one process gives), then the sharded model's
+(sharded_load, and its peak memory) greedy plain, draft-model speculative and
+prompt-lookup tokens, a seeded sampled speculative run, the speculation counts and
+the parameter bytes; for each config, a random model's sharded and unsharded logits
+(full forward, and prefill + decode through the caches); rank 0's shared seed. Then,
+given "cli", mlx_lm.generate's main(cli) with this rank's stdout in out/cli<r>.txt.
+die: a random qwen3_next of "config", sharded; rank 1 exits abruptly after the first
+forward, rank 0 goes on decoding inside distributed.fail_together, as mlx_lm.generate
+does.
 """
 
 import contextlib
@@ -22,18 +27,18 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from mlx_lm import distributed
-from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
-from mlx_lm.generate import main as generate_main
 from mlx_lm.models.sharding import parameter_bytes
-from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import get_model_classes, load_model, sharded_load
 
 
 def plain(model, prompt, max_tokens):
+    from mlx_lm.generate import generate_step
+
     return [t for t, _ in generate_step(prompt, model, max_tokens=max_tokens)]
 
 
 def speculative(model, prompt, max_tokens, draft=None, sampler=None, **kwargs):
+    from mlx_lm.generate import SpeculationStats, speculative_generate_step
+
     stats = SpeculationStats()
     tokens = [
         t for t, _, _ in speculative_generate_step(
@@ -45,6 +50,10 @@ def speculative(model, prompt, max_tokens, draft=None, sampler=None, **kwargs):
 
 
 def match(spec, group):
+    from mlx_lm.generate import main as generate_main
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load_model, sharded_load
+
     prompt, max_tokens = mx.array(spec["prompt"]), spec["max_tokens"]
     results = {}
     for name, (target_dir, draft_dir) in spec["targets"].items():
@@ -70,6 +79,7 @@ def match(spec, group):
             "largest_layer": max(parameter_bytes(layer) for layer in full.layers),
         }
     results["logits"] = logits(spec, group)
+    results["shared_seed"] = distributed.shared_seed(None, group)  # rank 0's fresh seed, everywhere
     Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(results))
     if spec.get("cli"):  # the command line, in this process: it shards by itself
         with open(Path(spec["out"], f"cli{group.rank()}.txt"), "w") as f, contextlib.redirect_stdout(f):
@@ -78,6 +88,8 @@ def match(spec, group):
 
 def random_model(config, quantize):
     """The same random model on every rank (seeded), quantized (8 bits, groups of 32) if asked."""
+    from mlx_lm.utils import get_model_classes
+
     model_class, args_class = get_model_classes(config)
     mx.random.seed(1)
     model = model_class(args_class.from_dict(config))
@@ -113,15 +125,19 @@ def logits(spec, group):
 
 
 def die(spec, group):
-    (target_dir, _), = spec["targets"].values()
-    model, _ = sharded_load(target_dir, tensor_group=group)
-    prompt = mx.array(spec["prompt"])
-    mx.eval(model(prompt[None]))
+    """Rank 1 exits after the first sharded forward; rank 0 keeps decoding. Only light
+    imports here (no tokenizer, no transformers), so the ranks start fast."""
+    from mlx_lm.models import qwen3_next
+
+    model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(spec["config"]))
+    model.shard(group)
+    cache, token = model.make_cache(), mx.array(spec["prompt"])[None]
+    mx.eval(model(token, cache))
     if group.rank() == 1:
         os._exit(3)
     with distributed.fail_together(group):
-        for _ in generate_step(prompt, model, max_tokens=spec["max_tokens"]):
-            pass
+        for _ in range(spec["max_tokens"]):
+            mx.eval(model(token[:, :1], cache))
 
 
 if __name__ == "__main__":

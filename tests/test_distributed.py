@@ -76,7 +76,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     return {
         name: [str(write_checkpoint(root / name, TINY_CONFIGS[name], seed=1)),
-               str(write_checkpoint(root / f"{name}_draft", TINY_CONFIGS[name], seed=1, noise=0.05))]
+               str(write_checkpoint(root / f"{name}_draft", TINY_CONFIGS[name], seed=1, noise=0.02))]
         for name in FAMILIES
     }
 
@@ -131,6 +131,7 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
         assert 0 < accepted < drafted, (name, accepted, drafted)  # rejections: rollbacks ran
         assert r0["sampled"] == r1["sampled"], name  # identical decisions under sampling
         assert r0["speculative_counts"] == r1["speculative_counts"], name
+    assert per_rank[0]["shared_seed"] == per_rank[1]["shared_seed"]
     for name in LOGIT_CONFIGS:
         for got in (per_rank[0]["logits"][name], per_rank[1]["logits"][name]):
             assert max(got["errors"]) < 1e-4, (name, got["errors"])  # float32: the sum's order differs
@@ -144,9 +145,9 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
     assert (tmp_path / "cli1.txt").read_text() == ""
 
 
-def test_a_dying_rank_ends_the_others_with_a_clear_error(checkpoints, tmp_path):
-    targets = {"qwen3_next": checkpoints["qwen3_next"]}
-    ranks = worker("die", targets, tmp_path, max_tokens=100000, timeout=60, stop_others_on_failure=False)
+def test_a_dying_rank_ends_the_others_with_a_clear_error():
+    spec = dict(mode="die", prompt=PROMPT, max_tokens=100000, config=TINY_CONFIGS["qwen3_next"])
+    ranks = run_ranks([sys.executable, WORKER, json.dumps(spec)], timeout=60, stop_others_on_failure=False)
     assert ranks[1].returncode == 3
     assert ranks[0].returncode == 1, ranks[0].stderr[-2000:]  # ended by itself, not by the timeout
     assert "Error: rank 0 of 2 stopped" in ranks[0].stderr
