@@ -8,7 +8,8 @@ match, on every rank, written to out/rank<r>.json: for each target, the unsharde
 model's greedy plain tokens (what one process gives), then the sharded model's
 (sharded_load, and its peak memory) greedy plain, draft-model speculative and
 prompt-lookup tokens, a seeded sampled speculative run, the speculation counts and
-the parameter bytes; for each config, a random model's sharded and unsharded logits
+the parameter bytes, the sharded caches after plain vs speculative decoding; for each
+config, a random model's sharded and unsharded logits
 (full forward, and prefill + decode through the caches); rank 0's shared seed. Then,
 given "cli", mlx_lm.generate's main(cli) with this rank's stdout in out/cli<r>.txt.
 die: a random qwen3_next of "config", sharded; rank 1 exits abruptly after the first
@@ -49,6 +50,23 @@ def speculative(model, prompt, max_tokens, draft=None, sampler=None, **kwargs):
     return tokens, [stats.num_accepted, stats.num_drafted]
 
 
+def cache_difference(model, prompt, max_tokens, draft):
+    """Relative difference between the sharded target's next logits from its cache after
+    a plain run and after a draft-model speculative run (which rolled every rank's
+    shard back each round). Logits, not raw states: a sliding window may hold the same
+    keys in another ring order."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    plain_cache, spec_cache = make_prompt_cache(model), make_prompt_cache(model) + make_prompt_cache(draft)
+    tokens = [t for t, _ in generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=plain_cache)]
+    list(speculative_generate_step(prompt, model, draft, num_draft_tokens=3, adaptive_draft_length=False,
+                                   max_tokens=max_tokens, prompt_cache=spec_cache))
+    last = mx.array([[tokens[-1]]])
+    a, b = model(last, plain_cache), model(last, spec_cache[: len(plain_cache)])
+    return (mx.abs(a - b).max() / mx.abs(a).max()).item()
+
+
 def match(spec, group):
     from mlx_lm.generate import main as generate_main
     from mlx_lm.sample_utils import make_sampler
@@ -76,6 +94,7 @@ def match(spec, group):
             "layer_bytes": [sum(parameter_bytes(layer) for layer in m.layers) for m in (full, model)],
             "bytes": [parameter_bytes(full), parameter_bytes(model)],
             "load_peak": load_peak,
+            "cache_difference": cache_difference(model, prompt, max_tokens, draft),
             "largest_layer": max(parameter_bytes(layer) for layer in full.layers),
         }
     results["logits"] = logits(spec, group)

@@ -127,6 +127,7 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
             # sharded_load never held the whole checkpoint: at most its shard plus one full layer.
             assert got["load_peak"] <= rank_bytes + got["largest_layer"], (name, got["load_peak"])
             assert got["load_peak"] < full_bytes, (name, got["load_peak"], full_bytes)
+            assert got["cache_difference"] < 1e-4, (name, got["cache_difference"])  # every shard rolled back
         accepted, drafted = r0["speculative_counts"]
         assert 0 < accepted < drafted, (name, accepted, drafted)  # rejections: rollbacks ran
         assert r0["sampled"] == r1["sampled"], name  # identical decisions under sampling
