@@ -2,7 +2,7 @@
 
 argv: a JSON spec. mode "match": {"out": dir, "prompt": [ids], "max_tokens": n,
 "targets": {name: [target_dir, draft_dir]}, "configs": {name: [config, quantize]},
-"cli": argv or None}; mode "die": {"prompt", "max_tokens", "config"}.
+"cli": argv or None}; mode "die": {"prompt", "max_tokens", "config"}; mode "launched": {"out", "prompt", "config"}.
 
 match, on every rank, written to out/rank<r>.json: for each target, the unsharded
 model's greedy plain tokens (what one process gives), then the sharded model's
@@ -12,6 +12,8 @@ the parameter bytes, the sharded caches after plain vs speculative decoding; for
 config, a random model's sharded and unsharded logits
 (full forward, and prefill + decode through the caches); rank 0's shared seed. Then,
 given "cli", mlx_lm.generate's main(cli) with this rank's stdout in out/cli<r>.txt.
+launched (under mlx.launch): a random llama of "config", sharded vs whole, written to
+out/rank<r>.json.
 die: a random qwen3_next of "config", sharded; rank 1 exits abruptly after the first
 forward, rank 0 goes on decoding inside distributed.fail_together, as mlx_lm.generate
 does.
@@ -159,6 +161,26 @@ def die(spec, group):
             mx.eval(model(token[:, :1], cache))
 
 
+def launched(spec, group):
+    """Under mlx.launch itself: a random llama (light imports, no tokenizer), sharded vs
+    whole, logits through the caches; the relative error and the layer bytes."""
+    from mlx_lm.models import llama
+
+    def build():
+        mx.random.seed(1)
+        model = llama.Model(llama.ModelArgs.from_dict(spec["config"]))
+        model.update(tree_map(lambda v: mx.random.normal(v.shape) * 0.5, model.parameters()))
+        return model
+
+    full, sharded = build(), build()
+    sharded.shard(group)
+    prompt = mx.array(spec["prompt"])
+    a, b = decode_logits(full, prompt)[1], decode_logits(sharded, prompt)[1]
+    result = {"size": group.size(), "error": (mx.abs(a - b).max() / mx.abs(a).max()).item(),
+              "layer_bytes": [sum(parameter_bytes(layer) for layer in m.layers) for m in (full, sharded)]}
+    Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    {"match": match, "die": die}[spec["mode"]](spec, distributed.world())
+    {"match": match, "die": die, "launched": launched}[spec["mode"]](spec, distributed.world())

@@ -10,8 +10,10 @@ import contextlib
 import http.client
 import io
 import json
+import os
 import re
 import socket
+import subprocess
 import sys
 import time
 
@@ -24,7 +26,7 @@ from mlx_lm.generate import generate
 from mlx_lm.generate import main as generate_main
 from mlx_lm.models import sharding
 from mlx_lm.utils import load
-from ranks import ROOT, run_ranks, start_ranks
+from ranks import ROOT, free_ports, run_ranks, start_ranks
 
 WORKER = str(ROOT / "tests" / "distributed_worker.py")
 # Repeats, so prompt lookup finds matches; longer than gpt_oss's window of 8.
@@ -144,6 +146,23 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
         generate_main(cli_args(checkpoints))
     assert (tmp_path / "cli0.txt").read_text() == single.getvalue() and single.getvalue().strip()
     assert (tmp_path / "cli1.txt").read_text() == ""
+
+
+def test_through_mlx_launch(tmp_path):
+    """The real launcher once (ring backend, 2 local ranks), with light imports: it is
+    slow on few cores (tests/ranks.py says why), so the other tests start ranks alike
+    without it."""
+    port = free_ports(1)[0]
+    spec = dict(mode="launched", out=str(tmp_path), prompt=PROMPT, config=TINY_CONFIGS["llama"])
+    command = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(port),
+               "--python", sys.executable, "--", WORKER, json.dumps(spec)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=90,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    for got in [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]:
+        assert got["size"] == 2 and got["error"] < 1e-4, got
+        full_layers, rank_layers = got["layer_bytes"]
+        assert 0.48 < rank_layers / full_layers < 0.53
 
 
 def test_a_dying_rank_ends_the_others_with_a_clear_error():
