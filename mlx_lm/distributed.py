@@ -11,6 +11,9 @@ ranks must take identical decisions, token by token and round by round:
   are identical on every rank, so every rank accepts the same prefix and rolls back
   its own shard of each cache by the same count;
 - only rank 0 prints.
+Collectives outside the model (`shared_seed`, `broadcast_object`, a server's agreed
+cancel flag) run on the generation stream, like every forward: on two streams the
+ranks could pair one rank's flag with another's still-running forward.
 A rank that fails closes its connections; the others then fail in their next all-sum,
 and `fail_together` turns that into one clear error and a non-zero exit, so no rank
 waits forever (mlx.launch also stops the remaining ranks once one exits non-zero).
@@ -24,12 +27,15 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
+from .drafters import on_generation_stream
+
 
 def world() -> mx.distributed.Group:
     """The global group: every rank under mlx.launch, a group of one otherwise."""
     return mx.distributed.init()
 
 
+@on_generation_stream
 def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
     """`seed` as rank 0 has it (a fresh random one if rank 0 has none), on every rank:
     rank 0 contributes it to an all-sum, the others contribute 0."""
@@ -39,6 +45,7 @@ def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
     return int(mx.distributed.all_sum(mine, group=group).item())
 
 
+@on_generation_stream
 def broadcast_object(obj: Any, group: mx.distributed.Group) -> Any:
     """Rank 0's `obj` on every rank (the others pass anything, e.g. None): its pickle,
     all-summed with zeros from the other ranks. Only for ranks of one job, which trust

@@ -27,6 +27,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from . import distributed
+from .drafters import on_generation_stream
 from .serving import GenerationResult, GenerationWorker, Job, ModelProvider
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class AgreedEvent:
     def set(self) -> None:
         self._event.set()
 
+    @on_generation_stream  # behind the forwards still running there (distributed.py)
     def is_set(self) -> bool:
         mine = int(self.group.rank() == 0 and self._event.is_set())
         return mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=self.group).item() > 0

@@ -20,6 +20,7 @@ costs; `num_draft_tokens` is only the cap, and k = 0 (a plain target step) is al
 when drafting would lose.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,11 +33,27 @@ from .sample_utils import CategoricalSampler
 
 Processors = List[Callable[[mx.array, mx.array], mx.array]]
 
+# All generation runs on this stream (upstream's name; `mlx_lm.generate.generation_stream`),
+# one per thread, so that a server's worker thread never shares it.
+generation_stream = mx.new_thread_local_stream(mx.default_device())
+
+
+def on_generation_stream(fn):
+    """Build (and evaluate) `fn`'s work on generation_stream."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with mx.stream(generation_stream):
+            return fn(*args, **kwargs)
+
+    return run
+
 # ---------------------------------------------------------------------------
 # Feeding a model and its cache
 # ---------------------------------------------------------------------------
 
 
+@on_generation_stream
 def prefill(
     model: nn.Module,
     prompt: mx.array,
@@ -44,21 +61,26 @@ def prefill(
     prefill_step_size: int,
     progress: Callable[[int, int], None],
     quantize_kv: Optional[Callable[[List[Any]], None]] = None,
+    input_embeddings: Optional[mx.array] = None,
 ) -> mx.array:
-    """Feed all prompt tokens but the last through the model in chunks; return the
+    """Feed all prompt positions but the last through the model in chunks; return the
     tokens still to feed (the last one, whose logits start generation).
-    `quantize_kv(prompt_cache)` runs after each chunk (see maybe_quantize_kv_cache)."""
-    total = prompt.size
-    while prompt.size > 1:
-        n = min(prefill_step_size, prompt.size - 1)
-        model(prompt[:n][None], cache=prompt_cache)
+    `quantize_kv(prompt_cache)` runs after each chunk (see maybe_quantize_kv_cache).
+    With `input_embeddings` (T, hidden) the model takes those rows instead of the
+    tokens' embeddings; `prompt` is then the T tokens they stand for, or empty."""
+    total = prompt.size if input_embeddings is None else input_embeddings.shape[0]
+    done = 0
+    while total - done > 1:
+        n = min(prefill_step_size, total - done - 1)
+        rows = {} if input_embeddings is None else {"input_embeddings": input_embeddings[done : done + n][None]}
+        model(prompt[done : done + n][None], cache=prompt_cache, **rows)
         if quantize_kv is not None:
             quantize_kv(prompt_cache)
         mx.eval([c.state for c in prompt_cache])
-        prompt = prompt[n:]
-        progress(total - prompt.size, total)
+        done += n
+        progress(done, total)
         mx.clear_cache()
-    return prompt
+    return prompt[done:]
 
 
 def ids_within(tokens: mx.array, table_size: int) -> mx.array:
@@ -104,6 +126,7 @@ class CachedModel:
             return mx.concatenate([logits, missing], axis=1)
         return logits
 
+    @on_generation_stream
     def settle(self, tokens: List[int], *, feed: bool) -> None:
         """Hold exactly `tokens`, which agree with what the cache holds and was fed up
         to the shorter of the two: trim what lies beyond them, then, if `feed`, feed
@@ -199,6 +222,7 @@ class DraftModel(Drafter):
     def can_draft(self, sequence: List[int]) -> bool:
         return True
 
+    @on_generation_stream
     def propose(
         self, sequence: List[int], num_draft: int, sampler: Callable[[mx.array], mx.array], processors: Processors
     ) -> Tuple[mx.array, Optional[mx.array]]:

@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import functools
+import inspect
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,8 @@ from .drafters import (
     Drafter,
     Processors,
     PromptLookup,
+    generation_stream,
+    on_generation_stream,
     point_masses,
     prefill,
     processed_logprobs,
@@ -123,8 +126,12 @@ class GenerationResponse:
     speculation: Optional[SpeculationStats] = None
 
 
-def _check_generation_args(prompt: mx.array, max_tokens: int, prefill_step_size: int) -> None:
-    if prompt.ndim != 1 or prompt.size == 0:
+def _check_generation_args(
+    prompt: mx.array, max_tokens: int, prefill_step_size: int, input_embeddings: Optional[mx.array] = None
+) -> None:
+    if input_embeddings is not None:
+        _check_input_embeddings(prompt, input_embeddings)
+    elif prompt.ndim != 1 or prompt.size == 0:
         raise ValueError(f"prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}")
     if max_tokens != -1 and max_tokens < 1:
         raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
@@ -132,6 +139,23 @@ def _check_generation_args(prompt: mx.array, max_tokens: int, prefill_step_size:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
 
 
+def _check_input_embeddings(prompt: mx.array, input_embeddings: mx.array) -> None:
+    if input_embeddings.ndim != 2 or input_embeddings.shape[0] == 0:
+        raise ValueError(f"input_embeddings must be (prompt length, hidden size), got shape {input_embeddings.shape}")
+    if prompt.ndim != 1 or prompt.size not in (0, input_embeddings.shape[0]):
+        raise ValueError(
+            f"prompt ({prompt.size} tokens) and input_embeddings ({input_embeddings.shape[0]} rows) must have the "
+            "same length, or the prompt be empty"
+        )
+
+
+def accepts_input_embeddings(model: nn.Module) -> bool:
+    """Whether the model's forward takes `input_embeddings` (rows fed instead of the
+    token embeddings, e.g. a vision encoder's output)."""
+    return "input_embeddings" in inspect.signature(model.__call__).parameters
+
+
+@on_generation_stream
 def sample_next(
     model: nn.Module,
     tokens: mx.array,
@@ -139,9 +163,12 @@ def sample_next(
     sampler: Callable[[mx.array], mx.array],
     logits_processors: List[Callable[[mx.array, mx.array], mx.array]],
     history: Optional[mx.array],
+    input_embeddings: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array]:
-    """Feed `tokens` (1-D) and sample after the last: returns (token (1,), logprobs (V,))."""
-    logits = model(tokens[None], cache=prompt_cache)[:, -1, :]
+    """Feed `tokens` (1-D; or the rows of `input_embeddings` (T, hidden) in their
+    place) and sample after the last: returns (token (1,), logprobs (V,))."""
+    rows = {} if input_embeddings is None else {"input_embeddings": input_embeddings[None]}
+    logits = model(tokens[None], cache=prompt_cache, **rows)[:, -1, :]
     for processor in logits_processors:
         logits = processor(history, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -174,6 +201,7 @@ def generate_step(
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    input_embeddings: Optional[mx.array] = None,
     prompt_lookup: bool = False,
     max_ngram_size: int = 3,
     num_draft_tokens: Optional[int] = None,
@@ -186,7 +214,9 @@ def generate_step(
     Logits processors see the whole prompt plus the tokens generated so far.
     With `kv_bits`, each KVCache becomes a `kv_bits`-bit QuantizedKVCache (groups of
     `kv_group_size`) once it holds `quantized_kv_start` tokens, checked after every
-    prefill chunk and every step.
+    prefill chunk and every step. `input_embeddings` (T, hidden) are fed in place of
+    the prompt's token embeddings (the prompt is then the T tokens they stand for, which
+    processors see, or empty); the model must take them (accepts_input_embeddings).
 
     `prompt_lookup=True` decodes speculatively with prompt-lookup drafts (see
     speculative_generate_step; at most `num_draft_tokens`, default 3, a round, looking
@@ -194,6 +224,8 @@ def generate_step(
     decoding and the same law under sampling, faster where the output repeats the
     prompt or itself.
     """
+    if input_embeddings is not None and prompt_lookup:
+        raise ValueError("prompt_lookup cannot take input_embeddings: the lookup needs the prompt's token ids")
     if prompt_lookup:
         yield from (
             (token, logprobs)
@@ -209,7 +241,9 @@ def generate_step(
         return
     if num_draft_tokens is not None:
         raise ValueError("num_draft_tokens needs prompt_lookup=True (or a draft model: speculative_generate_step)")
-    _check_generation_args(prompt, max_tokens, prefill_step_size)
+    _check_generation_args(prompt, max_tokens, prefill_step_size, input_embeddings)
+    if input_embeddings is not None and not accepts_input_embeddings(model):
+        raise ValueError(f"{type(model).__module__} does not take input_embeddings")
     if prompt_cache is None:
         prompt_cache = cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     elif max_kv_size is not None:
@@ -220,8 +254,10 @@ def generate_step(
     history = prompt if logits_processors else None
     progress = prompt_progress_callback or (lambda done, total: None)
 
-    remaining = prefill(model, prompt, prompt_cache, prefill_step_size, progress, quantize_kv)
-    y, logprobs = sample_next(model, remaining, prompt_cache, sampler, logits_processors, history)
+    num_prompt = prompt.size if input_embeddings is None else input_embeddings.shape[0]
+    remaining = prefill(model, prompt, prompt_cache, prefill_step_size, progress, quantize_kv, input_embeddings)
+    last_rows = None if input_embeddings is None else input_embeddings[-1:]
+    y, logprobs = sample_next(model, remaining, prompt_cache, sampler, logits_processors, history, last_rows)
     quantize_kv(prompt_cache)
     mx.async_eval(y, logprobs)
     num_generated = 0
@@ -235,7 +271,7 @@ def generate_step(
         mx.async_eval(next_y, next_logprobs)
         if num_generated == 0:
             mx.eval(y)
-            progress(prompt.size, prompt.size)
+            progress(num_prompt, num_prompt)
         yield y.item(), logprobs
         num_generated += 1
         if num_generated == max_tokens:
@@ -350,6 +386,7 @@ def verify(target: CachedModel, sequence: List[int], drafts: mx.array, logits_pr
     return processed_logprobs(logits, history, drafts, logits_processors)
 
 
+@on_generation_stream
 def plain_step(
     target: CachedModel,
     sequence: List[int],
@@ -432,6 +469,7 @@ class QueuedRound:
     build_seconds: float
 
 
+@on_generation_stream
 def queue_round(
     target: CachedModel,
     drafter: Drafter,
@@ -453,6 +491,7 @@ def queue_round(
     return QueuedRound(drafts, draft_laws, logprobs, time.perf_counter() - start)
 
 
+@on_generation_stream
 def accept(
     logprobs: mx.array,
     drafts: mx.array,
@@ -590,9 +629,10 @@ def speculative_generate_step(
     num_yielded = 0
 
     def next_round(num_left: Optional[int]) -> Optional[QueuedRound]:
-        """The next drafting round, queued; None if it should be plain (k = 0, nothing
-        to draft, or only one token left)."""
-        num_draft = policy.choose() if num_left is None else min(policy.choose(), num_left - 1)
+        """The next drafting round, queued; None if it should be plain (k = 0 or nothing
+        to draft). Near max_tokens it drafts at most the tokens left, as upstream does
+        (a fully accepted last round then ends on a draft, its bonus token unused)."""
+        num_draft = policy.choose() if num_left is None else min(policy.choose(), num_left)
         if num_draft < 1 or not drafter.can_draft(sequence):
             return None
         return queue_round(target, drafter, sequence, num_draft, sampler, processors)
@@ -641,7 +681,7 @@ def speculative_generate_step(
                 queued = next_round(None if num_left is None else num_left - len(new_tokens))
 
             # Emit.
-            for i, token in enumerate(new_tokens):
+            for i, token in enumerate(new_tokens[:num_left]):
                 num_yielded += 1
                 yield token, logprobs[i], i < num_accepted
         clean_stop = True
@@ -711,6 +751,8 @@ def stream_generate(
             for token, logprobs in generate_step(prompt, model, max_tokens=max_tokens, **kwargs)
         )
     else:
+        if "input_embeddings" in kwargs:
+            raise ValueError("speculative decoding cannot take input_embeddings: drafters need the prompt's token ids")
         stats = SpeculationStats()
         token_generator = speculative_generate_step(
             prompt, model, draft_model, max_tokens=max_tokens, stats=stats, **kwargs
@@ -731,7 +773,7 @@ def stream_generate(
             speculation=None if stats is None else replace(stats),
         )
 
-    with wired_limit(model), contextlib.closing(token_generator):
+    with wired_limit(model, [generation_stream]), contextlib.closing(token_generator):
         tic = time.perf_counter()
         finish_reason = None
         for n, (token, logprobs, from_draft) in enumerate(token_generator):
@@ -794,6 +836,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", type=str, default=DEFAULT_MODEL,
                         help="Local model directory or Hugging Face repo id")
+    parser.add_argument("--adapter-path", type=str, default=None,
+                        help="LoRA/DoRA adapters for --model (adapter_config.json + adapters.safetensors)")
     parser.add_argument("--extra-eos-token", type=str, nargs="+", default=(),
                         help="Extra tokens (strings or ids) that end generation")
     parser.add_argument("--system-prompt", default=None, help="System prompt for the chat template")
@@ -899,9 +943,12 @@ def run(args: argparse.Namespace) -> str:
 
     group = distributed.world()
     if group.size() > 1:
+        if args.adapter_path is not None:
+            raise ValueError(f"--adapter-path {args.adapter_path!r}: adapters are not sharded; under mlx.launch "
+                             "fuse them first (mlx_lm.fuse) and give the fused model")
         model, tokenizer = sharded_load(args.model, tensor_group=group, dtype=args.dtype)
     else:
-        model, tokenizer = load(args.model, dtype=args.dtype)
+        model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype)
     verbose = args.verbose and group.rank() == 0
     draft_model = None
     if args.draft_model is not None:

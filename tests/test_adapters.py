@@ -260,3 +260,19 @@ def test_lora_on_a_hybrid_moe_model_including_its_experts(tmp_path):
     _rewrite_config(directory, fine_tune_type="dora")
     with pytest.raises(ValueError, match=r"dora on model\.layers\.\d\.mlp\.switch_mlp\.\w+ \(SwitchLinear\)"):
         load_adapters(load_model(base_dir)[0], directory)
+
+
+def test_generate_cli_takes_adapter_path(llama_dir, tmp_path, capsys):
+    """mlx_lm.generate --adapter-path prints what the adapted model generates."""
+    from mlx_lm import generate
+    from mlx_lm.generate import main as generate_main
+
+    adapters, _ = write_adapters(tmp_path / "adapters", base_weights(llama_dir))
+    model, tokenizer = load(str(llama_dir), adapter_path=str(adapters))
+    want = generate(model, tokenizer, "hello there", max_tokens=12)
+    common = ["--model", str(llama_dir), "--prompt", "hello there", "--max-tokens", "12", "--ignore-chat-template",
+              "--verbose", "false"]
+    generate_main([*common, "--adapter-path", str(adapters)])
+    assert capsys.readouterr().out == want + "\n"
+    generate_main(common)
+    assert capsys.readouterr().out != want + "\n"  # the adapters change the output

@@ -192,3 +192,58 @@ def test_cli_speculative_prints_acceptance(tiny_model_dir):
     assert "Compute dtype: float16 (float16, as asked)" in result.stdout
     assert "Speculation:" in result.stdout and "accepted (100.0%)" in result.stdout
     assert "tokens per target forward" in result.stdout
+
+
+def test_input_embeddings_stand_in_for_the_prompt(tiny):
+    """Rows fed in place of the prompt's token embeddings: the model's own embeddings
+    give the plain output, with the prompt given or empty, prefilled in any chunks."""
+    model, _ = tiny
+    prompt = mx.array([5, 17, 42, 7, 99, 3, 250])
+    embeddings = model.model.embed_tokens(prompt)
+    want = [t for t, _ in generate_step(prompt, model, max_tokens=8)]
+    for given in (prompt, mx.array([], mx.uint32)):
+        for step in (2, 2048):
+            got = generate_step(given, model, max_tokens=8, input_embeddings=embeddings, prefill_step_size=step)
+            assert [t for t, _ in got] == want
+    changed = [t for t, _ in generate_step(prompt, model, max_tokens=8, input_embeddings=embeddings * 3)]
+    assert changed != want
+
+
+def test_input_embeddings_are_checked(tiny, tmp_path):
+    from checkpoints import TINY_CONFIGS, write_checkpoint
+
+    from mlx_lm.utils import load_model
+
+    model, tokenizer = tiny
+    prompt = mx.array([5, 17, 42])
+    embeddings = model.model.embed_tokens(prompt)
+    cases = [
+        (dict(prompt=prompt[:2], input_embeddings=embeddings), "same length"),
+        (dict(prompt=prompt, input_embeddings=embeddings[None]), "must be \\(prompt length, hidden size\\)"),
+        (dict(prompt=prompt, input_embeddings=embeddings, prompt_lookup=True), "lookup needs the prompt's token ids"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            next(generate_step(model=model, **kwargs))
+    hybrid = load_model(write_checkpoint(tmp_path / "hybrid", TINY_CONFIGS["qwen3_next"]))[0]
+    with pytest.raises(ValueError, match="qwen3_next does not take input_embeddings"):
+        next(generate_step(prompt, hybrid, input_embeddings=mx.zeros((3, 64))))
+    with pytest.raises(ValueError, match="speculative decoding cannot take input_embeddings"):
+        next(stream_generate(model, tokenizer, [5, 17, 42], draft_model=model, input_embeddings=embeddings))
+
+
+def test_generation_runs_on_generation_stream():
+    from mlx_lm import drafters
+    from mlx_lm.generate import generation_stream
+
+    assert generation_stream is drafters.generation_stream and isinstance(generation_stream, mx.ThreadLocalStream)
+    seen = []
+
+    @drafters.on_generation_stream
+    def probe():
+        seen.append(mx.default_stream(mx.default_device()))
+
+    probe()
+    with mx.stream(generation_stream):
+        inside = mx.default_stream(mx.default_device())
+    assert seen == [inside] and mx.default_stream(mx.default_device()) != inside

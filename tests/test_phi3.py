@@ -198,7 +198,7 @@ def test_greedy_speculative_equals_plain_phi3_target(phi3_dirs, k):
     assert [t for t, _, _ in out] == plain(target)
     assert 0 < stats.num_accepted < stats.num_drafted, stats
     if k > 1:
-        assert any(0 < n < k for n in accepted_per_round(out)[:-1]), accepted_per_round(out)
+        assert any(0 < n < k for n in accepted_per_round(out)), accepted_per_round(out)
 
 
 @pytest.mark.parametrize("k", [1, 3])

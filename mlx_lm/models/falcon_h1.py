@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from . import llama, sharding
 from .base import BaseModelArgs, check_head_grouping, create_attention_mask
@@ -145,7 +146,10 @@ def mup_vector(shape: Mamba2Shape, multipliers: Sequence[float]) -> mx.array:
     segments [gate I | x I | B G*N | C G*N | dt H] -> (2I + 2GN + H,)."""
     I, GN = shape.intermediate_size, shape.n_groups * shape.state_size
     sizes = (I, I, GN, GN, shape.num_heads)
-    return mx.concatenate([mx.full((n,), m, mx.float32) for n, m in zip(sizes, multipliers)])
+    # Built from host memory, not as a lazy graph: a lazy constant made on the loading
+    # thread cannot be evaluated on another (a server's worker thread: "There is no
+    # Stream(cpu, 0) in current thread").
+    return mx.array(np.repeat(np.asarray(multipliers, np.float32), sizes))
 
 
 class Mixer(Mamba2Mixer):
@@ -262,6 +266,7 @@ class Model(nn.Module):
             pieces = sharding.mamba2_in_proj_pieces(mamba)
             sharding.shard_mamba2(mamba, group)
             mamba._mup_vector = sharding.take_shard(mamba._mup_vector, group, segments=pieces)
+            mx.eval(mamba._mup_vector)  # not a parameter: evaluated here, on the loading thread (see mup_vector)
             attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group)
             sharding.shard_mlp(layer.feed_forward, group)
 

@@ -160,8 +160,10 @@ class LlamaModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.sliding_window = args.sliding_window
 
-    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        h = self.embed_tokens(inputs)  # (B, L, hidden)
+    def __call__(
+        self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None
+    ) -> mx.array:
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings  # (B, L, hidden)
         if cache is None:
             cache = [None] * len(self.layers)
         masks = masks_by_layer_type(h, self.layers, cache, self.sliding_window)
@@ -200,9 +202,12 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        """Token ids (B, L) -> logits (B, L, vocab)."""
-        h = self.model(inputs, cache)
+    def __call__(
+        self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None
+    ) -> mx.array:
+        """Token ids (B, L) -> logits (B, L, vocab); `input_embeddings` (B, L, hidden)
+        replace the token embeddings (the ids are then not read)."""
+        h = self.model(inputs, cache, input_embeddings)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
