@@ -434,22 +434,46 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")
     if not args.prompt_lookup and args.max_ngram_size != parser.get_default("max_ngram_size"):
         parser.error("--max-ngram-size needs --prompt-lookup")
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    from . import distributed
+
+    group = distributed.world()
+    if group.size() > 1 and args.prompt_cache_file is not None:
+        parser.error("--prompt-cache-file holds an unsharded cache; it cannot be used under mlx.launch")
+    if group.size() > 1 and args.mtp:
+        parser.error("--mtp cannot be used under mlx.launch: the MTP head is not sharded")
     try:
-        text = run(args)
+        with distributed.fail_together(group):
+            if group.size() > 1:  # every rank samples from rank 0's seed
+                args.seed = distributed.shared_seed(args.seed, group)
+            if args.seed is not None:
+                mx.random.seed(args.seed)
+            text = run(args)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")
-    if not args.verbose:
+    if not args.verbose and group.rank() == 0:
         print(text)
 
 
 def run(args: argparse.Namespace) -> str:
-    """Load the model (and draft) and generate as the parsed command line says."""
-    from .cache_prompt import load_cached_prompt
-    from .utils import compute_dtype, load, parameter_dtypes
+    """Load the model (and draft) and generate as the parsed command line says.
 
-    model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype)
+    Under mlx.launch (more than one rank) the target is sharded over all ranks, the
+    draft runs whole on each, the draft length is pinned to --num-draft-tokens (see
+    `distributed`) and only rank 0 prints."""
+    from . import distributed
+    from .cache_prompt import load_cached_prompt
+    from .models.sharding import parameter_bytes
+    from .utils import compute_dtype, load, parameter_dtypes, sharded_load
+
+    group = distributed.world()
+    if group.size() > 1:
+        if args.adapter_path is not None:
+            raise ValueError(f"--adapter-path {args.adapter_path!r}: adapters are not sharded; under mlx.launch "
+                             "fuse them first (mlx_lm.fuse) and give the fused model")
+        model, tokenizer = sharded_load(args.model, tensor_group=group, dtype=args.dtype)
+    else:
+        model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype)
+    verbose = args.verbose and group.rank() == 0
     draft_model = None
     if args.draft_model is not None:
         draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype)
@@ -464,8 +488,9 @@ def run(args: argparse.Namespace) -> str:
     kwargs = dict(max_tokens=args.max_tokens, sampler=sampler)
     speculating = draft_model is not None or args.prompt_lookup or args.mtp
     if speculating:
-        # Which sample a seed gives depends on the draft lengths: a seeded sampled run pins them.
-        fixed = args.fixed_draft_length or (args.seed is not None and args.temp > 0)
+        # Which sample a seed gives depends on the draft lengths: a seeded sampled run pins
+        # them. Ranks pin them too: the adaptive policy times rounds on each rank's clock.
+        fixed = args.fixed_draft_length or (args.seed is not None and args.temp > 0) or group.size() > 1
         kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens,
                       adaptive_draft_length=not fixed)
     if args.mtp:
@@ -505,9 +530,12 @@ def run(args: argparse.Namespace) -> str:
         # The lookup also sees what the prompt cache file holds.
         context = [] if args.prompt_cache_file is None else cached.tokens or []
         kwargs["drafter"] = PromptLookup(args.max_ngram_size, context=context)
-    if args.verbose:
+    if verbose:
         print(f"Compute dtype: {parameter_dtypes(model)} ({compute_dtype(args.dtype)[1]})")
-    return generate(model, tokenizer, prompt_tokens, verbose=args.verbose, **kwargs)
+        if group.size() > 1:
+            print(f"Tensor parallel over {group.size()} ranks: {parameter_bytes(model) / 1e9:.3f} GB of "
+                  "weights on rank 0")
+    return generate(model, tokenizer, prompt_tokens, verbose=verbose, **kwargs)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, List, Optional
 from urllib.parse import unquote
 
+import mlx.core as mx
+
+from . import distributed, distributed_serving
 from .cli_args import HelpFormatter, add_dtype_argument, json_object, positive_float, positive_int
 from .openai_api import (
     MAX_BODY_BYTES,
@@ -506,6 +509,12 @@ def _log_limits(served: ServedModel, max_prompt_tokens: Optional[int]) -> None:
              lru.max_size, lru.max_bytes / 1e9)
 
 
+def make_provider(args: argparse.Namespace, group: mx.distributed.Group) -> ModelProvider:
+    return ModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
+                         args.prompt_cache_bytes, args.chat_template or None, args.max_prompt_tokens, args.dtype,
+                         mtp=args.mtp, group=group)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -516,6 +525,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")
     origins = _parse_origins(parser, args.allowed_origins)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    group = distributed.world()
+    if group.size() > 1:  # under mlx.launch: rank 0 serves, the others follow (distributed_serving.py)
+        distributed_serving.agree_on_settings(parser, args, group)
+        if group.rank() != 0:
+            return distributed_serving.follow(args, group, make_provider(args, group))
     # Bind first: a busy port or a bad address is reported before a long model load.
     try:
         server = APIServer(args.host, args.port, defaults, origins, args.max_connections, args.request_timeout)
@@ -523,16 +537,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         where = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
         sys.exit(f"Error: cannot listen on {where}: {(e.strerror or str(e)).lower()}")
     try:
-        server.provider = ModelProvider(args.model, args.draft_model, args.allow_other_models,
-                                        args.prompt_cache_size, args.prompt_cache_bytes, args.chat_template or None,
-                                        args.max_prompt_tokens, args.dtype, mtp=args.mtp)
+        server.provider = make_provider(args, group)
     except (ValueError, FileNotFoundError) as e:
         server.server_close()
         sys.exit(f"Error: {e}")
+    if group.size() > 1:
+        distributed_serving.agree_on_cache_bytes(server.provider, group)
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
-    server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens,
-                                     args.fixed_draft_length, args.prompt_lookup, args.max_ngram_size)
+    server.worker = distributed_serving.make_worker(group, server.provider, args)
     threading.Thread(target=server.worker.run_forever, name="generation", daemon=True).start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s: the server has no authentication; anyone who can reach it can use it", args.host)

@@ -130,11 +130,14 @@ class ServedModel:
 
     def __init__(self, path: str, draft_path: Optional[str], cache_size: int, cache_bytes: Optional[int],
                  chat_template: Optional[str] = None, max_prompt_tokens: Optional[int] = None,
-                 dtype: Optional[str] = None, mtp: bool = False):
-        from .utils import load
+                 dtype: Optional[str] = None, mtp: bool = False, group: Optional[mx.distributed.Group] = None):
+        from .utils import load, sharded_load
 
         self.name = path
-        self.model, self.tokenizer, config = load(path, return_config=True, dtype=dtype)
+        if group is not None and group.size() > 1:  # tensor parallel (distributed_serving.py)
+            self.model, self.tokenizer, config = sharded_load(path, tensor_group=group, return_config=True, dtype=dtype)
+        else:
+            self.model, self.tokenizer, config = load(path, return_config=True, dtype=dtype)
         self.mtp = mtp
         if mtp:
             check_mtp_head(self.model)
@@ -298,9 +301,10 @@ class ModelProvider:
 
     def __init__(self, model_path: str, draft_path: Optional[str], allow_other_models: bool,
                  cache_size: int, cache_bytes: Optional[int], chat_template: Optional[str],
-                 max_prompt_tokens: Optional[int] = None, dtype: Optional[str] = None, *, mtp: bool = False):
+                 max_prompt_tokens: Optional[int] = None, dtype: Optional[str] = None, *, mtp: bool = False,
+                 group: Optional[mx.distributed.Group] = None):
         self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template, max_prompt_tokens,
-                                   dtype, mtp)
+                                   dtype, mtp=mtp, group=group)
         self.model_id = model_id(model_path)
         self.names = {model_path, self.model_id, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
                       DEFAULT_MODEL_NAME}

@@ -620,3 +620,42 @@ def load(
     if return_config:
         return model, tokenizer, config
     return model, tokenizer
+
+
+def sharded_load(
+    path_or_hf_repo: str,
+    pipeline_group: Optional[mx.distributed.Group] = None,
+    tensor_group: Optional[mx.distributed.Group] = None,
+    return_config: bool = False,
+    *,
+    dtype: Optional[str] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+) -> Union[Tuple[nn.Module, TokenizerWrapper], Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]]:
+    """Load a model tensor-parallel over `tensor_group` (default: the global group, as
+    `mlx.launch` sets it up): each rank keeps and materialises only its shard
+    (`model.shard`, models/sharding.py). Weights are read lazily and evaluated one
+    decoder layer at a time, so a rank holds its shards plus at most one layer's
+    full tensors, never the whole checkpoint.
+
+    Every rank must then run the same forwards in the same order: each mixer and MLP
+    all-sums. For speculation that means identical drafts on every rank: seed every
+    rank alike and pin the draft length (`adaptive_draft_length=False`), since the
+    adaptive policy reads wall-clock times; `mlx_lm.generate` does both.
+    Pipeline parallelism is not implemented: `pipeline_group` must be None."""
+    if pipeline_group is not None:
+        raise ValueError(
+            f"pipeline_group={pipeline_group!r}: pipeline parallelism is not supported; "
+            "shard tensor-parallel with tensor_group instead"
+        )
+    group = tensor_group if tensor_group is not None else mx.distributed.init()
+    model, tokenizer, config = load(
+        path_or_hf_repo, tokenizer_config, model_config, lazy=True, return_config=True, dtype=dtype
+    )
+    model.shard(group)
+    for layer in model.layers:  # one layer's full tensors in memory at a time
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    if return_config:
+        return model, tokenizer, config
+    return model, tokenizer

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import llama
+from . import llama, sharding
 from .base import BaseModelArgs, check_head_grouping, create_attention_mask
 from .cache import ArraysCache, CacheList, KVCache
 from .nemotron_h import Mamba2Mixer, Mamba2Shape
@@ -254,6 +254,21 @@ class Model(nn.Module):
     @property
     def layers(self) -> List[DecoderLayer]:
         return self.model.layers
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over `group` (default: the global group), in place: each
+        layer's Mamba-2 mixer by heads (its muP vector follows in_proj's rows), its
+        attention by heads and its MLP by hidden units; embeddings and lm_head stay
+        whole."""
+        group = sharding.world(group)
+        for layer in self.layers:
+            mamba, attn = layer.mamba, layer.self_attn
+            pieces = sharding.mamba2_in_proj_pieces(mamba)
+            sharding.shard_mamba2(mamba, group)
+            mamba._mup_vector = sharding.take_shard(mamba._mup_vector, group, segments=pieces)
+            mx.eval(mamba._mup_vector)  # not a parameter: evaluated here, on the loading thread (see mup_vector)
+            attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group)
+            sharding.shard_mlp(layer.feed_forward, group)
 
     def make_cache(self) -> List[CacheList]:
         return [CacheList(ArraysCache(2), KVCache()) for _ in self.layers]

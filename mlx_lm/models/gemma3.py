@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gpt_oss
+from . import gpt_oss, llama
 from .base import BaseModelArgs, check_head_grouping, check_layer_types, scaled_dot_product_attention
 from .cache import KVCache, RotatingKVCache
 from .gpt_oss import FULL, SLIDING  # the same two layer kinds, by the same names
@@ -301,6 +301,9 @@ class LanguageModel(nn.Module):
     # gpt-oss). Both roll back exactly by themselves: a speculating RotatingKVCache records
     # its pre-forward window, a KVCache trims; the layers record nothing.
     make_cache = gpt_oss.Model.make_cache
+    # Tensor parallel as llama: the same attention (q/k/v/o_proj, n_heads) and MLP names;
+    # the per-head q/k norms are whole heads, so they stay whole.
+    shard = llama.Model.shard
 
 
 class ConditionalGeneration(nn.Module):
@@ -327,6 +330,9 @@ class ConditionalGeneration(nn.Module):
 
     def make_cache(self) -> List[Union[KVCache, RotatingKVCache]]:
         return self.language_model.make_cache()
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        self.language_model.shard(group)
 
 
 class Model:

@@ -44,6 +44,7 @@ from .base import (
     create_attention_mask,
     scaled_dot_product_attention,
 )
+from . import sharding
 from .cache import KVCache, RotatingKVCache
 from .rope_utils import initialize_rope, resolve_rope
 from .switch_layers import SwitchGLU, SwitchLinear
@@ -308,6 +309,19 @@ class Model(nn.Module):
             RotatingKVCache(self.args.sliding_window) if layer.layer_type == SLIDING else KVCache()
             for layer in self.layers
         ]
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over `group` (default: the global group), in place: each rank
+        keeps its share of the heads (with their sinks) and of every expert's hidden
+        units; the router, embeddings and lm_head stay whole, so routing is identical on
+        every rank. Sliding and full layers shard alike: a rank's RotatingKVCache holds
+        the window of its own heads."""
+        group = sharding.world(group)
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.sinks = sharding.take_shard(attn.sinks, group)
+            attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group)
+            sharding.shard_moe(layer.mlp, layer.mlp.experts, group)
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:
         # Routing decisions are sensitive to small logit errors: keep the router at 8 bits.

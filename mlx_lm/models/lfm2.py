@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import sharding
 from .base import (
     BaseModelArgs,
     check_head_grouping,
@@ -300,3 +301,24 @@ class Model(nn.Module):
 
     def make_cache(self) -> List[Union[ArraysCache, KVCache]]:
         return [KVCache() if layer.is_attention else ArraysCache(1) for layer in self.layers]
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over `group` (default: the global group), in place: attention
+        by heads, each short conv by channels (in_proj's b, c and x blocks split alike,
+        the depthwise conv per channel, so a rank's conv state holds its channels) and
+        the feed-forward by hidden units; out_proj / w2 all-sum."""
+        group = sharding.world(group)
+        for layer in self.layers:
+            if layer.is_attention:
+                attn = layer.self_attn
+                attn.num_heads, attn.num_kv_heads = sharding.shard_attention(
+                    attn, attn.num_heads, attn.num_kv_heads, group, out="out_proj"
+                )
+            else:
+                conv = layer.conv
+                sharding.shard_projections(conv, ("in_proj",), sharding.ALL_TO_SHARDED, group, segments=3)
+                conv.conv.weight = sharding.take_shard(conv.conv.weight, group)  # (C/N, K, 1)
+                if conv.has_bias:
+                    conv.conv.bias = sharding.take_shard(conv.conv.bias, group)
+                sharding.shard_projections(conv, ("out_proj",), sharding.SHARDED_TO_ALL, group)
+            sharding.shard_mlp(layer.feed_forward, group, inputs=("w1", "w3"), output="w2")

@@ -28,6 +28,7 @@ from .base import (
     create_attention_mask,
     scaled_dot_product_attention,
 )
+from . import sharding
 from .cache import KVCache, RotatingKVCache
 from .rope_utils import initialize_rope, resolve_rope
 
@@ -224,3 +225,13 @@ class Model(nn.Module):
 
     def make_cache(self) -> List[Any]:
         return make_layer_caches(self.layers, self.args.sliding_window)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over `group` (default: the global group), in place: each rank
+        keeps its share of every layer's heads and MLP units (`models/sharding.py`);
+        embeddings and lm_head stay whole."""
+        group = sharding.world(group)
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group)
+            sharding.shard_mlp(layer.mlp, group)

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import sharding
 from .base import (
     BaseModelArgs,
     check_head_grouping,
@@ -513,3 +514,27 @@ class Model(nn.Module):
 
     def make_cache(self) -> List[Union[ArraysCache, KVCache]]:
         return [ArraysCache(2) if block.block_type == MAMBA else KVCache() for block in self.layers]
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over `group` (default: the global group), in place: Mamba-2
+        mixers by heads (with their B/C groups), attention by heads, MLPs and experts
+        by hidden units; each mixer all-sums once. The router, embeddings and lm_head
+        stay whole."""
+        group = sharding.world(group)
+        for block in self.model.layers:
+            mixer = block.mixer
+            if block.block_type == MAMBA:
+                sharding.shard_mamba2(mixer, group)
+            elif block.block_type == ATTENTION:
+                mixer.num_heads, mixer.num_kv_heads = sharding.shard_attention(
+                    mixer, mixer.num_heads, mixer.num_kv_heads, group
+                )
+            elif block.block_type == MOE:
+                sharding.shard_switch_linear(mixer.experts.up_proj, sharding.ALL_TO_SHARDED, group)
+                sharding.shard_switch_linear(mixer.experts.down_proj, sharding.SHARDED_TO_ALL, group)
+                sharding.shard_mlp(mixer.shared_experts, group, reduce=False, inputs=("up_proj",))
+                if self.args.moe_latent_size is not None:  # applied to the partial routed sum
+                    sharding.bias_on_rank0(mixer.fc2_latent_proj, group)
+                sharding.sum_outputs(mixer, group)
+            else:
+                sharding.shard_mlp(mixer, group, inputs=("up_proj",))

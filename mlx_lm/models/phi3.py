@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama
+from . import llama, sharding
 from .base import BaseModelArgs, check_head_grouping, scaled_dot_product_attention
 from .llama import FULL, SLIDING
 from .rope_utils import initialize_rope, resolve_rope
@@ -147,3 +147,17 @@ class Model(llama.Model):
     are) and caches (a RotatingKVCache per sliding layer)."""
 
     backbone_class = Phi3Model
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel as llama; the fused qkv_proj splits each of its q, k, v row
+        blocks and gate_up_proj each of its halves, so a rank's rows stay [q | k | v]
+        and [gate | up]."""
+        group = sharding.world(group)
+        for layer in self.layers:
+            attn = layer.self_attn
+            head_dim = attn.qkv_proj.weight.shape[0] // (attn.n_heads + 2 * attn.n_kv_heads)
+            pieces = [attn.n_heads * head_dim, (attn.n_heads + attn.n_kv_heads) * head_dim]
+            attn.n_heads, attn.n_kv_heads = sharding.shard_attention(
+                attn, attn.n_heads, attn.n_kv_heads, group, qkv=("qkv_proj",), qkv_segments=pieces
+            )
+            sharding.shard_mlp(layer.mlp, group, inputs=("gate_up_proj",), segments=2)

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import qwen3_next
+from . import qwen3_next, sharding
 from .base import BaseModelArgs
 from .cache import ArraysCache, KVCache
 
@@ -102,6 +102,13 @@ class GatedDeltaNet(qwen3_next.GatedDeltaNet):
         z = self.in_proj_z(x).reshape(B, T, self.num_value_heads, self.value_head_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Keep this rank's key heads: in_proj_qkv's rows are [all q | all k | all v],
+        in_proj_z/b/a's are per value head (those of a key head are adjacent)."""
+        sharding.shard_gated_delta(
+            self, group, per_head=("in_proj_z", "in_proj_b", "in_proj_a"), qkv_ordered=("in_proj_qkv",)
+        )
+
 
 class LanguageModel(qwen3_next.Model):
     linear_attention_class = GatedDeltaNet
@@ -154,6 +161,10 @@ class Model(nn.Module):
 
     def make_cache(self) -> List[Union[ArraysCache, KVCache]]:
         return self.language_model.make_cache()
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel, as qwen3_next (`LanguageModel.shard`)."""
+        self.language_model.shard(group)
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:
         return qwen3_next.quant_predicate(path, module)

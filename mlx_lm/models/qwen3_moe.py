@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama, qwen3, qwen3_next
+from . import llama, qwen3, qwen3_next, sharding
 from .llama import MLP, Attention
 from .qwen3_next import quant_predicate, route, split_fused_experts, stack_expert_weights
 from .switch_layers import SwitchGLU
@@ -121,6 +121,18 @@ class Model(llama.Model):
         """llama's, then per-expert or fused experts -> stacked `switch_mlp`. Each rewrite
         consumes the keys it reads, so converted weights (and a second call) pass unchanged."""
         return split_fused_experts(stack_expert_weights(super().sanitize(weights)))
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel as llama; MoE layers split every expert's hidden units and
+        all-sum the block once (the router stays whole, so routing is identical)."""
+        group = sharding.world(group)
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                sharding.shard_moe(layer.mlp, layer.mlp.switch_mlp, group)
+            else:
+                sharding.shard_mlp(layer.mlp, group)
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:
         # Routers are small and their top-k choice is sensitive: 8 bits (qwen3_next's rule).

@@ -40,6 +40,7 @@ from .base import (
     create_attention_mask,
     scaled_dot_product_attention,
 )
+from . import sharding
 from .cache import ArraysCache, KVCache
 from .gated_delta import compute_g, gated_delta_recurrence, gated_delta_replay
 from .llama import MLP
@@ -308,6 +309,11 @@ class GatedDeltaNet(nn.Module):
             cache[CONV_STATE] = conv_input[:, T:]
             cache[RECURRENT_STATE] = new_state
         return self.out_proj(self.norm(y, z).reshape(B, T, -1))
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Keep this rank's key heads, each with its value heads: in_proj_qkvz and
+        in_proj_ba are grouped per key head, so contiguous rows are whole heads."""
+        sharding.shard_gated_delta(self, group, per_head=("in_proj_qkvz", "in_proj_ba"))
 
 
 class Attention(nn.Module):
@@ -590,3 +596,25 @@ class Model(nn.Module):
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:
         return quant_predicate(path, module)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over `group` (default: the global group), in place: attention
+        by heads, Gated DeltaNet by key heads (with their value heads, so each rank's
+        conv and recurrent state, and what it records for rollback, cover only its own
+        heads), MLPs and experts by hidden units. Routers, the shared-expert gate,
+        embeddings and lm_head stay whole."""
+        group = sharding.world(group)
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.linear_attn.shard(group)
+            else:
+                attn = layer.self_attn
+                attn.num_heads, attn.num_kv_heads = sharding.shard_attention(
+                    attn, attn.num_heads, attn.num_kv_heads, group
+                )
+            if isinstance(layer.mlp, SparseMoeBlock):
+                sharding.shard_mlp(layer.mlp.shared_expert, group, reduce=False)
+                sharding.shard_moe(layer.mlp, layer.mlp.switch_mlp, group)  # routed + gated shared, summed once
+            else:
+                sharding.shard_mlp(layer.mlp, group)
+

@@ -1,0 +1,72 @@
+"""Running the command-line tools on several ranks (`mlx.launch`).
+
+Under `mlx.launch` every rank runs the same command. The target model is sharded
+tensor-parallel (`utils.sharded_load`), so every forward all-sums across ranks and the
+ranks must take identical decisions, token by token and round by round:
+- sampling draws from one seed on every rank (`shared_seed`: rank 0's, broadcast);
+- speculation drafts a pinned number of tokens per round (the adaptive policy reads
+  wall-clock times, which differ across ranks and would desynchronise them); the draft
+  model (or prompt lookup) runs whole on every rank, fed identical tokens, so it
+  proposes identical drafts; the verify forward is sharded, and its all-summed logits
+  are identical on every rank, so every rank accepts the same prefix and rolls back
+  its own shard of each cache by the same count;
+- only rank 0 prints.
+Collectives outside the model (`shared_seed`, `broadcast_object`, a server's agreed
+cancel flag) run on the generation stream, like every forward: on two streams the
+ranks could pair one rank's flag with another's still-running forward.
+A rank that fails closes its connections; the others then fail in their next all-sum,
+and `fail_together` turns that into one clear error and a non-zero exit, so no rank
+waits forever (mlx.launch also stops the remaining ranks once one exits non-zero).
+"""
+
+import contextlib
+import pickle
+import sys
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .drafters import on_generation_stream
+
+
+def world() -> mx.distributed.Group:
+    """The global group: every rank under mlx.launch, a group of one otherwise."""
+    return mx.distributed.init()
+
+
+@on_generation_stream
+def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
+    """`seed` as rank 0 has it (a fresh random one if rank 0 has none), on every rank:
+    rank 0 contributes it to an all-sum, the others contribute 0."""
+    if seed is None:
+        seed = int(mx.random.randint(0, 2**31 - 1, ()).item()) if group.rank() == 0 else 0
+    mine = mx.array(seed if group.rank() == 0 else 0, dtype=mx.int32)
+    return int(mx.distributed.all_sum(mine, group=group).item())
+
+
+@on_generation_stream
+def broadcast_object(obj: Any, group: mx.distributed.Group) -> Any:
+    """Rank 0's `obj` on every rank (the others pass anything, e.g. None): its pickle,
+    all-summed with zeros from the other ranks. Only for ranks of one job, which trust
+    each other as one program does."""
+    data = pickle.dumps(obj) if group.rank() == 0 else b""
+    size = int(mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=group).item())
+    mine = np.frombuffer(data, dtype=np.uint8) if group.rank() == 0 else np.zeros(size, dtype=np.uint8)
+    total = mx.distributed.all_sum(mx.array(mine), group=group)
+    return pickle.loads(bytes(np.array(total)))
+
+
+@contextlib.contextmanager
+def fail_together(group: mx.distributed.Group) -> Iterator[None]:
+    """On more than one rank, turn a RuntimeError (a lost peer, a failed all-sum) into
+    SystemExit with a message naming this rank, so the rank exits at once and non-zero."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group.size() == 1:
+            raise
+        sys.exit(
+            f"Error: rank {group.rank()} of {group.size()} stopped: {e}. Another rank probably "
+            "failed or was stopped (see its output); every rank must run the same command"
+        )
