@@ -64,8 +64,6 @@ FIXED_KS = [1, 2, 3, 4]
 CONTEXTS = [1_000, 10_000, 100_000]
 TOKENS_PER_ROUND = 2  # (d): tokens committed between two lookups
 STDLIB = Path(os.__file__).parent
-SPLIT_LOOP = "split: a drafter that never drafts (the loop alone)"
-SPLIT_RECORDING = "split: plain decoding, caches recording rollbacks"
 GOAL_DEMO, GOAL_NO_MATCH, GOAL_FLAT, GOAL_SHARE = 1.3, 0.95, 2.0, 0.01
 
 EDIT_BLOCK = '''def parse_header_line(line, strict=False):
@@ -124,10 +122,7 @@ class Case:
 class Config:
     """One configuration timed against plain decoding: `section` names its cases;
     `kwargs` go to speculative_generate_step. `drafter`: "lookup" (prompt_lookup=True),
-    "no match" (a PromptLookup that cannot match), "never" (one that has nothing to
-    propose and spends nothing finding that out: the loop's own cost); or no
-    speculative run at all: "control" (plain decoding) and "recording" (plain decoding
-    on caches recording rollbacks, as speculative_generate_step's do)."""
+    "no match" (a PromptLookup that cannot match), or "control" (plain decoding again)."""
 
     section: str
     label: str
@@ -158,8 +153,6 @@ def configs() -> List[Config]:
     rows.append(Config("no match", f"defaults (adaptive, cap {DEFAULT_CAP})", defaults, "no match"))
     rows.append(Config("no match", f"fixed k={DEFAULT_CAP}",
                        dict(num_draft_tokens=DEFAULT_CAP, adaptive_draft_length=False), "no match"))
-    rows.append(Config("no match", SPLIT_LOOP, defaults, "never"))
-    rows.append(Config("no match", SPLIT_RECORDING, {}, "recording"))
     rows.append(Config("no match", "control: plain vs plain", {}, "control"))
     return rows
 
@@ -167,25 +160,14 @@ def configs() -> List[Config]:
 def lookup_fn(model, config: Config, case: Case, tokens: int, stats) -> Callable:
     from mlx_lm.drafters import PromptLookup
     from mlx_lm.generate import generate_step, speculative_generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-
-    class Never(PromptLookup):
-        def can_draft(self, sequence: List[int]) -> bool:
-            return False
-
-    def recording_cache():
-        cache = make_prompt_cache(model)
-        for c in cache:
-            c.start_speculation(rollback_window=2 * (DEFAULT_CAP + 1))  # as speculative_generate_step does
-        return cache
 
     def run(prompt):
-        if config.drafter in ("control", "recording"):
-            cache = recording_cache() if config.drafter == "recording" else None
-            return generate_step(prompt, model, max_tokens=tokens, prompt_cache=cache)
-        drafter = {"lookup": lambda: dict(prompt_lookup=True, max_ngram_size=3),
-                   "no match": lambda: dict(drafter=PromptLookup(max_ngram_size=case.ngram, min_ngram_size=case.ngram)),
-                   "never": lambda: dict(drafter=Never())}[config.drafter]()
+        if config.drafter == "control":
+            return generate_step(prompt, model, max_tokens=tokens)
+        if config.drafter == "no match":
+            drafter = dict(drafter=PromptLookup(max_ngram_size=case.ngram, min_ngram_size=case.ngram))
+        else:
+            drafter = dict(prompt_lookup=True, max_ngram_size=3)
         return speculative_generate_step(prompt, model, max_tokens=tokens, stats=stats, **drafter, **config.kwargs)
 
     return run
@@ -278,6 +260,42 @@ def measure_rows(model, cases, rows: List[Config], args) -> Dict[tuple, Row]:
             row.lookup_s.append(sum(s for _, s in pairs))
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     return results
+
+
+def step_costs(model, case: Case, steps: int) -> Dict[str, float]:
+    """What a plain step inside speculative_generate_step adds, measured where load
+    cannot tell the sides apart: one-token target forwards (synced) on a plain cache
+    and on one recording rollbacks (as the loop's caches do), interleaved step by
+    step, median ms; and the loop's host calls per plain step (policy.choose_after_plain,
+    policy.update, the no-match PromptLookup.can_draft), median us."""
+    import mlx.core as mx
+    from mlx_lm.drafters import DraftLengthPolicy, PromptLookup
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = {"plain": make_prompt_cache(model), "recording": make_prompt_cache(model)}
+    for c in caches["recording"]:
+        c.start_speculation(rollback_window=2 * (DEFAULT_CAP + 1))  # as speculative_generate_step does
+    times = {name: [] for name in [*caches, "choose_after_plain", "update", "can_draft"]}
+    for cache in caches.values():
+        model(mx.array(case.prompt)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    for i in range(steps):
+        for name in list(caches)[:: 1 if i % 2 else -1]:
+            start = time.perf_counter()
+            logits = model(mx.array([[case.reference[i % len(case.reference)]]]), cache=caches[name])
+            mx.eval(mx.argmax(logits[0, -1]), [c.state for c in caches[name]])
+            times[name].append(time.perf_counter() - start)
+    policy, lookup = DraftLengthPolicy(DEFAULT_CAP), PromptLookup(case.ngram, case.ngram, context=case.prompt)
+    sequence = list(case.prompt)
+    for token in case.reference:
+        calls = [("choose_after_plain", policy.choose_after_plain), ("update", lambda: policy.update(0, 0, 5e-3)),
+                 ("can_draft", lambda: lookup.can_draft(sequence))]
+        for name, call in calls:
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+        sequence.append(token)
+    return {name: statistics.median(v) * (1e3 if name in caches else 1e6) for name, v in times.items()}
 
 
 # --- (d) lookup cost per round -----------------------------------------------------
@@ -442,9 +460,7 @@ def decoding_lines(cases, results, tokenizer) -> List[str]:
                          "prompt + plain output); hit rate "
                          + ", ".join(f"{replay(c, c.ngram, c.ngram)['hit_rate']:.2f}" for c in cases["no match"])
                          + ". Both lookup configurations decode in plain stretches throughout (nothing to draft). "
-                         "The split rows take the overhead apart: the speculative loop with a drafter that never "
-                         "drafts and does no lookup work, and plain decoding whose caches record rollbacks (as "
-                         "inside speculative_generate_step); the control row is plain vs plain, the method's noise.")
+                         "The control row is plain vs plain timed the same way: the method's noise.")
         lines += [""] + TABLE_HEAD
         tokens = sum(len(c.reference) for c in cases[section])
         lines += [row_line(label, row, tokens) for (s, label), row in results.items() if s == section]
@@ -454,6 +470,17 @@ def decoding_lines(cases, results, tokenizer) -> List[str]:
             lines += [f"- {label}: plain {gap_ms(row)['plain']:.2f} ms, lookup {gap_ms(row)['lookup']:.2f} ms -> "
                       f"**{gap_ratio(row):.3f}x** plain's speed" for (s, label), row in results.items() if s == section]
     return lines
+
+
+def step_lines(steps: Dict[str, float]) -> List[str]:
+    host = steps["choose_after_plain"] + steps["update"] + steps["can_draft"]
+    return ["", "What a plain step inside the loop adds (demo prompt 2, no-match drafter), measured apart:", "",
+            f"- one-token target forward, synced, interleaved step by step: plain cache {steps['plain']:.2f} ms, "
+            f"cache recording rollbacks {steps['recording']:.2f} ms -> recording costs "
+            f"**{steps['recording'] / steps['plain'] - 1:+.1%}** per step",
+            f"- host calls per plain step: policy.choose_after_plain {steps['choose_after_plain']:.1f} us, "
+            f"policy.update {steps['update']:.1f} us, PromptLookup.can_draft {steps['can_draft']:.1f} us: "
+            f"{host:.1f} us = **{host / 1e3 / steps['plain']:.2%}** of a plain step"]
 
 
 def cost_lines(costs, plain_step_us: float) -> List[str]:
@@ -471,7 +498,7 @@ def cost_lines(costs, plain_step_us: float) -> List[str]:
     return lines
 
 
-def write_report(cases, results, costs, header, tokenizer) -> str:
+def write_report(cases, results, steps, costs, header, tokenizer) -> str:
     demo = speedup(results[("demo", f"defaults (adaptive, cap {DEFAULT_CAP})")])
     defaults_c = results[("no match", f"defaults (adaptive, cap {DEFAULT_CAP})")]
     no_match = speedup(defaults_c)
@@ -486,8 +513,6 @@ def write_report(cases, results, costs, header, tokenizer) -> str:
                  f"plain, timed the same way) gave {speedup(control):.3f}x, per repetition "
                  + ", ".join(f"{p / q:.2f}" for p, q in zip(control.plain_s, control.lookup_s))
                  + f", by median gap {gap_ratio(control):.3f}x")
-    for label in (SPLIT_LOOP, SPLIT_RECORDING):
-        lines.append(f"  - {label}: by median gap {gap_ratio(results[('no match', label)]):.3f}x")
     for name, by_context in costs.items():
         ratio = by_context[max(CONTEXTS)]["round"] / by_context[min(CONTEXTS)]["round"]
         lines.append(goal_line(f"(d) {name}: round cost at {max(CONTEXTS) // 1000}k / at {min(CONTEXTS) // 1000}k",
@@ -498,7 +523,7 @@ def write_report(cases, results, costs, header, tokenizer) -> str:
     nothing = all(results[k].drafted == 0 for k in results if k[0] == "no match")
     lines += [f"- every lookup run's tokens equal plain decoding's: {'yes' if identical else '**NO**'}; "
               f"(c) drafted nothing: {'yes' if nothing else '**NO**'}", ""]
-    lines += decoding_lines(cases, results, tokenizer) + cost_lines(costs, plain_step_us)
+    lines += decoding_lines(cases, results, tokenizer) + step_lines(steps) + cost_lines(costs, plain_step_us)
     report = "\n".join(lines) + "\n"
     (RESULTS / "prompt_lookup.md").write_text(report)
     return report
@@ -543,6 +568,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=200, help="tokens generated per prompt")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2000, help="(d): timed rounds per context")
+    parser.add_argument("--steps", type=int, default=400, help="(c): interleaved forwards per cache kind")
     parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
     args = parser.parse_args()
     reexec_with_blas(args.blas)
@@ -557,6 +583,7 @@ def main():
     started = time.time()
     cases = make_cases(model, tokenizer, args.tokens)
     results = measure_rows(model, cases, configs(), args)
+    steps = step_costs(model, cases["no match"][1], args.steps)
     costs = measure_costs(tokenizer, model.args.vocab_size, args.rounds)
     header = [
         f"- BLAS: {blas}",
@@ -567,7 +594,7 @@ def main():
         "- command: `python benchmarks/prompt_lookup.py" + "".join(f" {a}" for a in sys.argv[1:]) + "`",
     ]
     RESULTS.mkdir(exist_ok=True)
-    print(write_report(cases, results, costs, header, tokenizer))
+    print(write_report(cases, results, steps, costs, header, tokenizer))
     write_plot(results, costs, blas)
 
 
