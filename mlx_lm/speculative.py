@@ -177,10 +177,13 @@ def plain_step(
     `sequence`, then `pending` (a sampled token not yet in `sequence`, (1,), or None),
     and sample the token after it from the target alone. Returns (token (1,), logprobs (V,))."""
     num_in_cache = target.num_held + target.num_fed
-    inputs = mx.array(sequence[num_in_cache:], mx.uint32)
     history = mx.array(sequence) if logits_processors else None
-    if pending is not None:
-        inputs = mx.concatenate([inputs, pending.astype(mx.uint32)])
+    if pending is None:
+        inputs = mx.array(sequence[num_in_cache:], mx.uint32)
+    else:  # in a stretch the target holds all of `sequence`: feed the pending token alone
+        missing = sequence[num_in_cache:]
+        inputs = pending.astype(mx.uint32)
+        inputs = mx.concatenate([mx.array(missing, mx.uint32), inputs]) if missing else inputs
         history = None if history is None else mx.concatenate([history, pending])
     logits = target.forward(inputs)[-1:]
     logprobs = processed_logprobs(logits, history, mx.array([], mx.uint32), logits_processors)

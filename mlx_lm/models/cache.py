@@ -581,9 +581,12 @@ class ArraysCache(_BaseCache):
         if self._rollbacks is None:
             raise RuntimeError("record_rollback called on an ArraysCache that is not speculating")
         snapshot = list(snapshot)
+        # A one-token forward is only ever undone whole: keeping `fn` (and the tensors
+        # it holds) would cost memory and stop MLX from updating buffers in place.
+        replay = fn if num_tokens > 1 else None
 
         def rewind(m: int) -> None:
-            self.cache = list(fn(m)) if m else list(snapshot)
+            self.cache = list(replay(m)) if m else list(snapshot)
 
         self._rollbacks.push(num_tokens, rewind)
 
