@@ -21,6 +21,7 @@ from .cli_args import (
     prompt_text,
     str2bool,
 )
+from .batching import BatchGenerator, BatchResponse, BatchStats, batch_generate  # noqa: F401  (upstream's home)
 from .models import cache
 from .models.cache import maybe_quantize_kv_cache
 from .drafters import (

@@ -1,0 +1,423 @@
+"""Continuous batching: many sequences decoded together by one model, each admitted and
+retired while the others run (`BatchGenerator`, `batch_generate`).
+
+How a sequence goes through (`BatchGenerator.next` does one step of each stage):
+1. Waiting: its prompt is prefilled alone, into ordinary caches, in the same chunks as
+   `generate_step` (so its cache is the one a solo run builds). A step prefills at most
+   about `prefill_step_size` tokens across the waiting sequences, first come first
+   served, so decoding never stalls for more than a chunk.
+2. Ready: all but the last prompt token fed. It joins the batch at the next step: its
+   caches are merged into the batched caches (`models/batch_cache.py`) and its last
+   prompt token is fed with every other row's token, in one forward.
+3. Active: each step feeds every row's latest token (B, 1) and samples the next per row
+   (each row's own sampler, logits processors and seed). The forward of step t is
+   queued before the tokens of step t - 1 are read, so the model computes while the
+   caller handles them; a token is reported once it has been fed, so the cache of a
+   finished row holds its prompt and every token it produced (as after generate_step).
+4. Finished (a stop token or max_tokens) or removed: its row leaves the batch.
+
+Greedy output of every sequence equals its solo run, whatever joins or leaves: rows do
+not see each other (per-row masks hide other rows' padding), and a row's numbers differ
+from a solo run only by the rounding of batched matrix products.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .drafters import prefill
+from .models.batch_cache import extend_caches, extract_caches, filter_caches, merge_caches
+from .models.cache import make_prompt_cache
+from .sample_utils import make_sampler
+from .tokenizer_utils import TokenizerWrapper
+
+Sampler = Callable[[mx.array], mx.array]
+Processor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class BatchStats:
+    """Totals of a batch run: prompt tokens and the time spent prefilling them,
+    generated tokens and the time spent decoding; peak memory in GB."""
+
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    generation_time: float = 0.0
+    peak_memory: float = 0.0
+
+
+@dataclass
+class BatchResponse:
+    """What `batch_generate` returns: one text per prompt (in order) and the stats;
+    with the matching flags, each prompt's cache, generated token ids and logprobs."""
+
+    texts: List[str]
+    stats: BatchStats
+    caches: Optional[List[List[Any]]] = None
+    token_ids: Optional[List[List[int]]] = None
+    logprobs: Optional[List[List[mx.array]]] = None
+
+
+@dataclass
+class PromptProgress:
+    """A sequence's prefill advanced: `num_fed` of its `total` prompt tokens are in its cache."""
+
+    uid: int
+    num_fed: int
+    total: int
+
+
+@dataclass
+class Response:
+    """One generated token of sequence `uid`; `logprobs` (V,) is the distribution it was
+    sampled from. `finish_reason`: "stop" (a stop token, reported as the token), "length"
+    (max_tokens reached) or None. `prompt_cache`: on the last response, when the generator
+    returns caches, the sequence's caches (its prompt and every token it generated)."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: Optional[str] = None
+    prompt_cache: Optional[List[Any]] = None
+
+
+@dataclass
+class _Sequence:
+    uid: int
+    prompt: mx.array  # prompt tokens not yet fed (1-D)
+    cache: List[Any]  # its own caches until it joins the batch
+    max_tokens: int
+    sampler: Sampler
+    processors: List[Processor]
+    seed: Optional[int]
+    total: int  # prompt tokens to feed
+    history: Optional[mx.array] = None  # what processors see: the prompt, then each token fed
+    num_in_cache: int = 0  # tokens its cache holds (of what it was given to feed)
+    num_generated: int = 0
+    num_sampled: int = 0
+    first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
+
+
+def _seeded_key(seed: int, step: int) -> int:
+    """The global seed a seeded row sets before its step-th draw: a function of the
+    request's seed and the step only, so its samples do not depend on its batch."""
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (1 << 64)
+
+
+class BatchGenerator:
+    """Decodes many sequences at once (continuous batching; see the module docstring).
+
+    `insert` queues prompts (token ids, optionally each with a cache already holding
+    earlier tokens, its own max_tokens, sampler, logits processors and seed) and returns
+    their uids; each `next()` does one step and returns (prompt progress, generated
+    tokens); `remove` drops sequences at any stage. At most `completion_batch_size`
+    sequences are admitted (prefilling or decoding) at once; the rest wait in order.
+    `stop_tokens` end a sequence (the stop token is reported, finish_reason "stop").
+    With `return_prompt_caches`, each finished sequence's last Response carries its caches.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_tokens: int = 128,
+        stop_tokens: Optional[Set[int]] = None,
+        sampler: Optional[Sampler] = None,
+        logits_processors: Optional[List[Processor]] = None,
+        completion_batch_size: int = 32,
+        prefill_step_size: int = 2048,
+        return_prompt_caches: bool = False,
+    ):
+        if completion_batch_size < 1:
+            raise ValueError(f"completion_batch_size must be at least 1, got {completion_batch_size}")
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+        self.model = model
+        self.max_tokens = max_tokens
+        self.stop_tokens = set(stop_tokens or ())
+        self.sampler = sampler or make_sampler()
+        self.logits_processors = list(logits_processors or [])
+        self.completion_batch_size = completion_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.return_prompt_caches = return_prompt_caches
+        self._next_uid = 0
+        self._queued: Deque[_Sequence] = deque()  # inserted, not yet admitted
+        self._prefilling: List[_Sequence] = []  # admitted, prompt being fed
+        self._ready: List[_Sequence] = []  # all but the last prompt token fed
+        self._active: List[_Sequence] = []  # in the batch, in row order
+        self._caches: Optional[List[Any]] = None  # the batched caches of _active
+        self._tokens: Optional[mx.array] = None  # (B,) each row's token to feed next
+        self._logprobs: List[Optional[mx.array]] = []  # the distribution of each
+        self._emit: List[bool] = []  # whether that token is generated (else the prompt's last)
+        self._stats = BatchStats()
+
+    # ------------------------------------------------------------------ admission
+
+    def insert(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Union[None, int, Sequence[int]] = None,
+        caches: Optional[Sequence[Optional[List[Any]]]] = None,
+        samplers: Optional[Sequence[Optional[Sampler]]] = None,
+        logits_processors: Optional[Sequence[Optional[List[Processor]]]] = None,
+        seeds: Optional[Sequence[Optional[int]]] = None,
+    ) -> List[int]:
+        """Queue `prompts` (lists of token ids); per prompt optionally a cache holding
+        earlier tokens (the prompt is then what follows them), max_tokens (-1: no limit),
+        sampler, logits processors (they see the prompt given and what follows) and a
+        seed. Everything is checked before anything is queued. Returns the uids."""
+        n = len(prompts)
+        per_prompt = {"max_tokens": max_tokens, "caches": caches, "samplers": samplers,
+                      "logits_processors": logits_processors, "seeds": seeds}
+        for name, values in per_prompt.items():
+            if values is not None and not isinstance(values, int) and len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+        if isinstance(max_tokens, int) or max_tokens is None:
+            max_tokens = [self.max_tokens if max_tokens is None else max_tokens] * n
+        sequences = [self._sequence(prompts[i], max_tokens[i], caches and caches[i], samplers and samplers[i],
+                                    logits_processors and logits_processors[i], seeds and seeds[i])
+                     for i in range(n)]
+        self._queued.extend(sequences)
+        return [s.uid for s in sequences]
+
+    def _sequence(self, prompt, max_tokens, cache, sampler, processors, seed) -> _Sequence:
+        tokens = mx.array(list(prompt), dtype=mx.uint32)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"each prompt must be a non-empty list of token ids, got {list(prompt)!r}")
+        if max_tokens != -1 and max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
+        cache = make_prompt_cache(self.model) if cache is None else cache
+        processors = self.logits_processors if processors is None else list(processors)
+        sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,
+                             total=tokens.size, history=tokens if processors else None)
+        self._next_uid += 1
+        return sequence
+
+    def __len__(self) -> int:
+        """Sequences not finished: queued, prefilling or decoding."""
+        return len(self._queued) + len(self._prefilling) + len(self._ready) + len(self._active)
+
+    # ------------------------------------------------------------------ one step
+
+    def next(self) -> Tuple[List[PromptProgress], List[Response]]:
+        """One step: prefill some waiting prompts, admit the ready ones, one batched
+        forward; returns the prompt progress made and the tokens generated."""
+        tic = time.perf_counter()
+        progress = self._prefill_some()
+        self._stats.prompt_time += time.perf_counter() - tic
+        tic = time.perf_counter()
+        responses = self._decode_step()
+        self._stats.generation_time += time.perf_counter() - tic
+        return progress, responses
+
+    def next_generated(self) -> List[Response]:
+        """One step; only the generated tokens."""
+        return self.next()[1]
+
+    def _admit(self) -> None:
+        while self._queued and len(self._prefilling) + len(self._ready) + len(self._active) < self.completion_batch_size:
+            self._prefilling.append(self._queued.popleft())
+
+    def _prefill_some(self) -> List[PromptProgress]:
+        """Prefill admitted prompts in generate_step's chunks until about
+        prefill_step_size tokens went in (always whole chunks, so caches equal solo)."""
+        self._admit()
+        progress, budget = [], self.prefill_step_size
+        while self._prefilling and budget > 0:
+            s = self._prefilling[0]
+            n = min(self.prefill_step_size, s.prompt.size - 1)
+            if n > 0:
+                prefill(self.model, s.prompt[: n + 1], s.cache, self.prefill_step_size, lambda done, total: None)
+                s.prompt, s.num_in_cache, budget = s.prompt[n:], s.num_in_cache + n, budget - n
+                self._stats.prompt_tokens += n
+                progress.append(PromptProgress(s.uid, s.total - s.prompt.size, s.total))
+            if s.prompt.size == 1:
+                self._prefilling.pop(0)
+                if any(c.empty() for c in s.cache):  # nothing to merge yet: its first token alone
+                    self._first_alone(s)
+                self._ready.append(s)
+        return progress
+
+    def _first_alone(self, s: _Sequence) -> None:
+        logits = self.model(s.prompt[None], cache=s.cache)[:, -1, :]
+        s.num_in_cache += 1
+        self._stats.prompt_tokens += 1
+        s.first = self._sample_row(s, logits)
+        mx.async_eval(*s.first)
+
+    def _join_ready(self) -> None:
+        if not self._ready:
+            return
+        joining, self._ready = self._ready, []
+        merged = merge_caches([s.cache for s in joining])
+        self._caches = merged if self._caches is None else extend_caches(self._caches, merged)
+        tokens = [s.first[0] if s.first else s.prompt for s in joining]
+        self._tokens = mx.concatenate(([self._tokens] if self._tokens is not None else []) + tokens)
+        self._logprobs += [s.first[1][0] if s.first else None for s in joining]
+        self._emit += [s.first is not None for s in joining]
+        self._stats.prompt_tokens += sum(s.first is None for s in joining)  # last prompt tokens, fed below
+        for s in joining:
+            s.cache, s.prompt, s.first = None, None, None  # the batch holds them now
+        self._active += joining
+
+    def _decode_step(self) -> List[Response]:
+        self._join_ready()
+        if not self._active:
+            return []
+        fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
+        for i, s in enumerate(self._active):
+            s.num_in_cache += 1
+            if s.history is not None and emit[i]:
+                s.history = mx.concatenate([s.history, fed[i : i + 1]])
+        logits = self.model(fed[:, None], cache=self._caches)[:, -1, :]  # (B, V)
+        self._tokens, logprobs = self._sample(logits)
+        mx.async_eval(self._tokens, logprobs)
+        self._logprobs = [logprobs[i] for i in range(len(self._active))]
+        self._emit = [True] * len(self._active)
+        return self._report(fed.tolist(), fed_logprobs, emit)
+
+    def _report(self, fed: List[int], logprobs: List[Optional[mx.array]], emit: List[bool]) -> List[Response]:
+        """Responses for the generated tokens just fed; finished rows leave."""
+        responses, finished = [], []
+        for i, s in enumerate(self._active):
+            if not emit[i]:
+                continue
+            s.num_generated += 1
+            self._stats.generation_tokens += 1
+            token = fed[i]
+            reason = "stop" if token in self.stop_tokens else "length" if s.num_generated == s.max_tokens else None
+            responses.append(Response(s.uid, token, logprobs[i], reason))
+            if reason is not None:
+                finished.append(i)
+                if self.return_prompt_caches:
+                    responses[-1].prompt_cache = extract_caches(self._caches, i)
+        self._drop_rows(finished)
+        return responses
+
+    def _drop_rows(self, rows: List[int]) -> None:
+        if not rows:
+            return
+        keep = [i for i in range(len(self._active)) if i not in set(rows)]
+        self._active = [self._active[i] for i in keep]
+        self._logprobs = [self._logprobs[i] for i in keep]
+        self._emit = [self._emit[i] for i in keep]
+        if keep:
+            self._caches = filter_caches(self._caches, keep)
+            self._tokens = mx.take(self._tokens, mx.array(keep, dtype=mx.int32))
+        else:
+            self._caches, self._tokens = None, None
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(self, logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """(B, V) logits -> (B,) tokens and (B, V) logprobs, each row its own way; rows
+        that share a plain sampler draw in one call."""
+        rows = self._active
+        if len({id(s.sampler) for s in rows}) == 1 and all(not s.processors and s.seed is None for s in rows):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return rows[0].sampler(logprobs), logprobs
+        drawn = [self._sample_row(s, logits[i : i + 1]) for i, s in enumerate(rows)]
+        return mx.concatenate([t for t, _ in drawn]), mx.concatenate([lp for _, lp in drawn])
+
+    @staticmethod
+    def _sample_row(s: _Sequence, logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """(1, V) logits of one row -> (1,) token and (1, V) logprobs."""
+        for processor in s.processors:
+            logits = processor(s.history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if s.seed is not None:
+            mx.random.seed(_seeded_key(s.seed, s.num_sampled))
+        s.num_sampled += 1
+        return s.sampler(logprobs), logprobs
+
+    # ------------------------------------------------------------------ removal
+
+    def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> Dict[int, Tuple[List[Any], int]]:
+        """Drop sequences at whatever stage they are. With `return_prompt_caches`:
+        uid -> (its caches, how many of the tokens it was given they hold: prompt
+        tokens fed, then generated tokens)."""
+        wanted, removed = set(uids), {}
+        for stage in (self._queued, self._prefilling, self._ready):
+            for s in [s for s in stage if s.uid in wanted]:
+                stage.remove(s)
+                removed[s.uid] = (s.cache, s.num_in_cache)
+        rows = [i for i, s in enumerate(self._active) if s.uid in wanted]
+        for i in rows:
+            s = self._active[i]
+            removed[s.uid] = (extract_caches(self._caches, i) if return_prompt_caches else None, s.num_in_cache)
+        self._drop_rows(rows)
+        return removed if return_prompt_caches else {}
+
+    def extract_cache(self, uids: Sequence[int]) -> Dict[int, List[Any]]:
+        """Copies of the caches of active sequences `uids`, which keep running."""
+        rows = {s.uid: i for i, s in enumerate(self._active)}
+        return {uid: extract_caches(self._caches, rows[uid]) for uid in uids if uid in rows}
+
+    def stats(self) -> BatchStats:
+        s = self._stats
+        s.prompt_tps = s.prompt_tokens / s.prompt_time if s.prompt_time else 0.0
+        s.generation_tps = s.generation_tokens / s.generation_time if s.generation_time else 0.0
+        s.peak_memory = mx.get_peak_memory() / 1e9
+        return s
+
+    def close(self) -> None:
+        self._queued.clear()
+        self._prefilling, self._ready, self._active = [], [], []
+        self._caches, self._tokens, self._logprobs, self._emit = None, None, [], []
+
+
+def batch_generate(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[Union[str, Sequence[int]]],
+    prompt_caches: Optional[Sequence[Optional[List[Any]]]] = None,
+    max_tokens: Union[int, Sequence[int]] = 128,
+    verbose: bool = False,
+    return_prompt_caches: bool = False,
+    return_token_ids: bool = False,
+    return_logprobs: bool = False,
+    **kwargs,
+) -> BatchResponse:
+    """Generate for every prompt (token ids, or text encoded with the tokenizer) at once;
+    the texts come back in prompt order, without the EOS token. kwargs go to
+    BatchGenerator (sampler, logits_processors, completion_batch_size, ...)."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    token_prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, return_prompt_caches=return_prompt_caches,
+                               **kwargs)
+    uids = generator.insert(token_prompts, max_tokens, caches=prompt_caches)
+    order = {uid: i for i, uid in enumerate(uids)}
+    tokens: List[List[int]] = [[] for _ in uids]
+    logprobs: List[List[mx.array]] = [[] for _ in uids]
+    caches: List[Optional[List[Any]]] = [None] * len(uids)
+    while len(generator):
+        for r in generator.next_generated():
+            i = order[r.uid]
+            if r.finish_reason != "stop":
+                tokens[i].append(r.token)
+                if return_logprobs:
+                    logprobs[i].append(r.logprobs)
+            if r.finish_reason is not None:
+                caches[i] = r.prompt_cache
+                if verbose:
+                    print(f"[{i}] {tokenizer.decode(tokens[i])!r}", flush=True)
+    stats = generator.stats()
+    if verbose:
+        print(f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {stats.peak_memory:.3f} GB")
+    return BatchResponse(
+        texts=[tokenizer.decode(t) for t in tokens],
+        stats=stats,
+        caches=caches if return_prompt_caches else None,
+        token_ids=tokens if return_token_ids else None,
+        logprobs=logprobs if return_logprobs else None,
+    )

@@ -1,0 +1,222 @@
+"""Continuous batching (mlx_lm/batching.py, mlx_lm/models/batch_cache.py): every greedy
+answer equals its solo run, for dense, sliding-window and hybrid (GDN) targets, with mixed
+prompt lengths, sequences joining and leaving mid-flight, removal, prompt caches and stop
+tokens; seeded sampling does not depend on the batch."""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from checkpoints import TINY_CONFIGS
+from mlx_lm.batching import BatchGenerator, batch_generate
+from mlx_lm.generate import generate_step
+from mlx_lm.models.batch_cache import _AlignedKV, BatchKVCache, BatchRotatingKVCache, merge_caches, extract_caches
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
+from mlx_lm.utils import get_model_classes
+
+SLIDING_CONFIG = dict(
+    model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, sliding_window=6, layer_types=["full_attention", "sliding_attention"],
+    rms_norm_eps=1e-5, rope_theta=10000.0,
+)
+LFM2_CONFIG = dict(
+    model_type="lfm2", vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=128, block_auto_adjust_ff_dim=False,
+    layer_types=["conv", "full_attention", "conv", "full_attention"],
+)
+CONFIGS = {
+    "qwen3": TINY_CONFIGS["qwen3"],  # dense KV
+    "mistral_sliding": SLIDING_CONFIG,  # a window of 6 next to a full layer
+    "gpt_oss": TINY_CONFIGS["gpt_oss"],  # windows of 8, attention sinks, experts
+    "qwen3_next": TINY_CONFIGS["qwen3_next"],  # GDN recurrent + conv state
+    "lfm2": LFM2_CONFIG,  # short-conv state
+}
+_MODELS = {}
+
+
+def tiny_model(name):
+    """Random weights large enough that greedy choices are clear (as write_checkpoint)."""
+    if name not in _MODELS:
+        model_class, args_class = get_model_classes(CONFIGS[name])
+        mx.random.seed(3)
+        model = model_class(args_class.from_dict(CONFIGS[name]))
+        model.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.5) for k, v in tree_flatten(model.parameters())]))
+        mx.eval(model.parameters())
+        _MODELS[name] = model
+    return _MODELS[name]
+
+
+def prompt(length, seed):
+    return mx.random.randint(1, 200, (length,), key=mx.random.key(seed)).tolist()
+
+
+def solo(model, tokens, max_tokens, **kwargs):
+    steps = generate_step(mx.array(tokens), model, max_tokens=max_tokens, **kwargs)
+    return [t for t, _ in steps]
+
+
+def run(generator, until_done=True, steps=None):
+    """Step the generator; uid -> generated tokens."""
+    out = {}
+    n = 0
+    while len(generator) and (steps is None or n < steps):
+        for r in generator.next_generated():
+            out.setdefault(r.uid, []).append(r.token)
+        n += 1
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("block", [256, 4])
+def test_greedy_equals_solo_with_joins_and_leaves(name, block, monkeypatch):
+    # Blocks of 4 columns: the batched buffers grow and drop old window columns often.
+    monkeypatch.setattr(_AlignedKV, "step", block)
+    model = tiny_model(name)
+    lengths, budgets = [3, 13, 1, 9, 5], [9, 4, 7, 11, 6]
+    prompts = [prompt(n, seed) for seed, n in enumerate(lengths)]
+    # Two rows at most, prefilled 4 tokens a chunk: rows join as others finish, and the
+    # 13-token prompt is prefilled in chunks while another row decodes.
+    generator = BatchGenerator(model, completion_batch_size=2, prefill_step_size=4)
+    uids = generator.insert(prompts[:3], max_tokens=budgets[:3])
+    out = run(generator, steps=3)
+    uids += generator.insert(prompts[3:], max_tokens=budgets[3:])  # join mid-flight
+    for uid, tokens in run(generator).items():
+        out.setdefault(uid, []).extend(tokens)
+    for uid, p, budget in zip(uids, prompts, budgets):
+        assert out[uid] == solo(model, p, budget, prefill_step_size=4), (name, uid)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_next"])
+def test_removed_row_leaves_the_others_and_its_cache_continues(name):
+    model = tiny_model(name)
+    prompts = [prompt(n, 10 + n) for n in (4, 7, 2)]
+    generator = BatchGenerator(model, max_tokens=10)
+    uids = generator.insert(prompts)
+    out = run(generator, steps=5)
+    removed = generator.remove([uids[1]], return_prompt_caches=True)
+    cache, num_held = removed[uids[1]]
+    for uid, tokens in run(generator).items():
+        out[uid] += tokens
+    for uid, p in zip(uids, prompts):
+        want = solo(model, p, 10)
+        if uid == uids[1]:
+            got = out[uid]
+            assert got == want[: len(got)] and num_held == len(p) + len(got)
+            # The removed row's cache holds the prompt and its tokens: decoding on from it
+            # gives the rest of the solo answer.
+            cont = generate_step(mx.array(want[len(got) : len(got) + 1]), model, max_tokens=3, prompt_cache=cache)
+            assert [t for t, _ in cont] == want[len(got) + 1 : len(got) + 4]
+        else:
+            assert out[uid] == want
+
+
+def test_prompt_cache_reuse_and_returned_caches():
+    model = tiny_model("qwen3_next")
+    full = prompt(12, 42)
+    cache = make_prompt_cache(model)
+    model(mx.array(full[:7])[None], cache=cache)
+    generator = BatchGenerator(model, max_tokens=6, return_prompt_caches=True)
+    uid = generator.insert([full[7:], prompt(5, 43)], caches=[cache, None])[0]
+    out, caches = {}, {}
+    while len(generator):
+        for r in generator.next_generated():
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason:
+                caches[r.uid] = r.prompt_cache
+    solo_cache = make_prompt_cache(model)
+    want = solo(model, full, 6, prompt_cache=solo_cache)
+    assert out[uid] == want
+    # The returned cache holds the prompt and all 6 tokens, as the solo run's does.
+    for mine, theirs in zip(caches[uid], solo_cache):
+        for a, b in zip(flat(mine.state), flat(theirs.state)):
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4)
+
+
+def flat(state):
+    return [x for _, x in tree_flatten(list(state))]
+
+
+def test_stop_tokens_and_processors():
+    model = tiny_model("qwen3")
+    p = prompt(6, 7)
+    free = solo(model, p, 8)
+    stop = free[3]
+    penalty = [make_repetition_penalty(1.5, 8)]
+    generator = BatchGenerator(model, stop_tokens={stop}, max_tokens=8)
+    uid_stop, uid_pen = generator.insert([p, p], logits_processors=[None, penalty])
+    responses = {}
+    while len(generator):
+        for r in generator.next_generated():
+            responses.setdefault(r.uid, []).append(r)
+    stopped = responses[uid_stop]
+    assert [r.token for r in stopped] == free[: free.index(stop) + 1] and stopped[-1].finish_reason == "stop"
+    penalised = [r.token for r in responses[uid_pen]]
+    want = solo(model, p, 8, logits_processors=penalty)
+    assert penalised[: len(want)] == want[: len(penalised)] and (stop in want or len(penalised) == 8)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model = tiny_model("qwen3")
+    sampler = make_sampler(temp=1.0)
+    p = prompt(5, 3)
+
+    def sample(with_others):
+        generator = BatchGenerator(model, max_tokens=12, sampler=sampler)
+        others = [prompt(4, 8), prompt(9, 9)] if with_others else []
+        uid = generator.insert([p] + others, seeds=[17] + [None] * len(others))[0]
+        return run(generator)[uid]
+
+    alone = sample(False)
+    assert alone == sample(True) and len(set(alone)) > 1
+
+
+def test_batch_kv_cache_layout_and_mask():
+    rows = []
+    for n in (3, 5):
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
+        rows.append(c)
+    batch = merge_caches([[c] for c in rows])[0]
+    assert isinstance(batch, BatchKVCache) and batch.pads == [2, 0] and batch.offset.tolist() == [3, 5]
+    mask = batch.make_mask(2)
+    # Row 0: padding columns 0, 1 hidden; query 0 (column 5) sees 2..5, query 1 sees 2..6.
+    assert mask.shape == (2, 1, 2, 7)
+    assert mask[0, 0].tolist() == [[False, False, True, True, True, True, False], [False, False, True, True, True, True, True]]
+    assert mask[1, 0, 0].tolist() == [True] * 6 + [False]
+    back = extract_caches([batch], 0)[0]
+    assert mx.array_equal(back.state[0], rows[0].state[0]) and back.offset == 3
+    kept = batch.filter([1])
+    assert kept.pads == [0] and kept.width == 5
+
+
+def test_batch_rotating_cache_keeps_each_window():
+    c = RotatingKVCache(4)
+    for _ in range(6):  # wrapped
+        c.update_and_fetch(mx.random.normal((1, 1, 1, 2)), mx.random.normal((1, 1, 1, 2)))
+    batch = BatchRotatingKVCache.merge([c])
+    back = batch.extract(0)
+    assert back.offset == 6 and mx.array_equal(back._temporal_order(back.keys), c._temporal_order(c.keys))
+    with pytest.raises(ValueError, match="sink tokens"):
+        BatchRotatingKVCache.merge([RotatingKVCache(8, keep=4)])
+
+
+def test_unbatchable_cache_is_refused_by_name():
+    with pytest.raises(ValueError, match="QuantizedKVCache"):
+        merge_caches([[QuantizedKVCache()]])
+    with pytest.raises(ValueError, match="max_tokens"):
+        BatchGenerator(tiny_model("qwen3")).insert([[1, 2]], max_tokens=0)
+
+
+def test_batch_generate_texts_equal_solo(tiny_model_dir):
+    from mlx_lm import load
+    from mlx_lm.generate import generate
+
+    model, tokenizer = load(str(tiny_model_dir))
+    prompts = ["hello there", "a much longer prompt than the first one", "x"]
+    result = batch_generate(model, tokenizer, prompts, max_tokens=8, return_token_ids=True)
+    for text, p in zip(result.texts, prompts):
+        assert text == generate(model, tokenizer, p, max_tokens=8)
+    assert result.stats.generation_tokens == sum(len(t) for t in result.token_ids) + sum(
+        len(t) < 8 for t in result.token_ids
+    )
