@@ -67,11 +67,14 @@ class BatchResponse:
 
 @dataclass
 class PromptProgress:
-    """A sequence's prefill advanced: `num_fed` of its `total` prompt tokens are in its cache."""
+    """A sequence's prefill advanced: `num_fed` of its `total` prompt tokens are in its
+    cache. When all but the last are, `prompt_cache` is that cache, which the batch no
+    longer touches (a server keeps it for prompts that extend this one)."""
 
     uid: int
     num_fed: int
     total: int
+    prompt_cache: Optional[List[Any]] = None
 
 
 @dataclass
@@ -237,12 +240,15 @@ class BatchGenerator:
                 prefill(self.model, s.prompt[: n + 1], s.cache, self.prefill_step_size, lambda done, total: None)
                 s.prompt, s.num_in_cache, budget = s.prompt[n:], s.num_in_cache + n, budget - n
                 self._stats.prompt_tokens += n
+            if s.prompt.size > 1:
                 progress.append(PromptProgress(s.uid, s.total - s.prompt.size, s.total))
-            if s.prompt.size == 1:
-                self._prefilling.pop(0)
-                if any(c.empty() for c in s.cache):  # nothing to merge yet: its first token alone
-                    self._first_alone(s)
-                self._ready.append(s)
+                continue
+            self._prefilling.pop(0)
+            if any(c.empty() for c in s.cache):  # nothing to merge yet: its first token alone
+                self._first_alone(s)
+            else:
+                progress.append(PromptProgress(s.uid, s.total - 1, s.total, prompt_cache=s.cache))
+            self._ready.append(s)
         return progress
 
     def _first_alone(self, s: _Sequence) -> None:

@@ -3,8 +3,11 @@ one worker thread that runs every MLX computation (GenerationWorker). No HTTP he
 
 Serving. The model (and `--draft-model`) is loaded once. Request handler threads
 parse, validate and tokenize (tokenizing needs no MLX); every MLX computation runs on
-one worker thread that takes jobs from a queue, so generation is serialised and
-responses never interleave.
+one worker thread that takes jobs from a queue. Without speculation that worker is a
+BatchWorker: concurrent requests decode together in one BatchGenerator (continuous
+batching, `--max-batch-size` at once), each greedy answer the one it gets alone. With
+`--draft-model` or `--prompt-lookup` (or `--max-batch-size 1`) it is a
+GenerationWorker, which serves one request at a time.
 
 Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
 with a 400 on the handler thread, before any model work; a text too long to fit even
@@ -40,11 +43,14 @@ import logging
 import os
 import queue
 import threading
+import time
+from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Generator, List, Optional
+from typing import Any, Callable, Dict, Generator, List, Optional
 
 import mlx.core as mx
 
+from .batching import BatchGenerator, PromptProgress, Response
 from .drafters import PromptLookup, ids_within, prefill
 from .generate import GenerationResponse, check_can_speculate, check_same_tokenizer, stream_generate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
@@ -495,3 +501,161 @@ class GenerationWorker:
             values = row[ids].tolist()
             top = sorted(((decode([i]), v) for i, v in zip(ids.tolist(), values)), key=lambda tv: -tv[1])
         return TokenLogprob(decode([response.token]), row[response.token].item(), top)
+
+
+class _Stream:
+    """A request in the batch: its prompt, what it has produced, how its text goes out."""
+
+    def __init__(self, job: Job, served: ServedModel, tokens: List[int], num_cached: int):
+        self.job, self.served, self.tokens, self.num_cached = job, served, tokens, num_cached
+        self.detokenizer = served.tokenizer.detokenizer
+        self.stops = StopStringFilter(job.request.stop)
+        self.generated: List[int] = []
+        self.text = ""
+        self.logprobs: List[TokenLogprob] = []
+        self.first_token_at: Optional[float] = None
+
+
+class BatchWorker(GenerationWorker):
+    """Runs the served model's requests together in one BatchGenerator (continuous
+    batching, at most `max_batch_size` decoding at once, admitted first come first
+    served); a request for another model (--allow-other-models) runs alone, in its
+    turn, once the requests before it have finished. For servers without speculation:
+    with --draft-model or --prompt-lookup the server runs a GenerationWorker.
+
+    Per request, as the one-at-a-time worker does: its own sampler, penalties and seed
+    (a seeded sample does not depend on what else is in the batch), stop strings,
+    streaming, logprobs, and the prompt cache: fetched before it joins, stored after
+    prefill (under prompt[:-1], for caches that may not trim) and when it ends, under
+    exactly the tokens its cache holds. A cancelled request leaves the batch at the
+    next step; the others go on undisturbed."""
+
+    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, max_batch_size: int = 8):
+        super().__init__(provider, prefill_step_size)
+        self.max_batch_size = max_batch_size
+        self.backlog: "deque[Job]" = deque()
+        self.streams: Dict[int, _Stream] = {}
+        self.generator: Optional[BatchGenerator] = None
+
+    def run_forever(self) -> None:
+        while True:
+            self._take_jobs(wait=not self.streams and not self.backlog)
+            self._admit()
+            if self.streams:
+                self.step()
+            elif self.backlog:  # another model's request, and the batch is empty
+                self.run(self.backlog.popleft())
+
+    def _take_jobs(self, wait: bool) -> None:
+        if wait:
+            self.backlog.append(self.jobs.get())
+        while True:
+            try:
+                self.backlog.append(self.jobs.get_nowait())
+            except queue.Empty:
+                return
+
+    def _admit(self) -> None:
+        while self.backlog and self.backlog[0].model_key is None:
+            job = self.backlog.popleft()
+            if job.cancelled.is_set():
+                log.info("Client disconnected while queued; request dropped")
+                continue
+            try:
+                self._start(job)
+            except RequestError as e:
+                job.events.put(("error", e.status, e.message))
+
+    def _start(self, job: Job) -> None:
+        request, served = job.request, self.provider.default
+        if request.num_draft_tokens is not None:
+            raise RequestError(400, "num_draft_tokens needs a server started with --draft-model or --prompt-lookup")
+        tokens = job.tokens
+        max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
+        sampler, processors = self._sampling(served, request)
+        fetched = served.prompt_cache.fetch(tokens)
+        if processors and fetched.num_cached:
+            # The batch sees only the tokens it is fed; penalties must also see the cached part.
+            seen = mx.array(tokens[: fetched.num_cached])
+            processors = [lambda history, logits, p=p: p(mx.concatenate([seen, history]), logits) for p in processors]
+        seeded = request.seed is not None and request.sampling["temp"] > 0
+        if self.generator is None:
+            self.generator = BatchGenerator(
+                served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
+                prefill_step_size=self.prefill_step_size, return_prompt_caches=True,
+            )
+        uid = self.generator.insert(
+            [fetched.remaining], [max_tokens], caches=[fetched.prompt_cache or served.make_cache()],
+            samplers=[sampler], logits_processors=[processors], seeds=[request.seed % (1 << 64) if seeded else None],
+        )[0]
+        self.streams[uid] = _Stream(job, served, tokens, fetched.num_cached)
+
+    def step(self) -> None:
+        """One batch step; its tokens go out to their requests; cancelled ones leave."""
+        try:
+            progress, responses = self.generator.next()
+        except Exception as e:  # the server stays up; every client in the batch learns why
+            log.exception("Batched generation failed")
+            for stream in self.streams.values():
+                stream.job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+            self.streams.clear()
+            self.generator = None
+            return
+        for event in progress:
+            self._prefilled(event)
+        for response in responses:
+            self._deliver(response)
+        for uid in [uid for uid, s in self.streams.items() if s.job.cancelled.is_set()]:
+            self._finish(uid, None)
+
+    def _prefilled(self, event: PromptProgress) -> None:
+        stream = self.streams[event.uid]
+        lru, tokens = stream.served.prompt_cache, stream.tokens
+        if event.prompt_cache is not None and stream.served.snapshot_prompts and tokens[:-1] not in lru:
+            lru.insert(tokens[:-1], event.prompt_cache)  # see the module docstring; the batch has its own copy
+        if stream.job.request.stream:
+            stream.job.events.put(("keepalive", stream.num_cached + event.num_fed, len(tokens)))
+
+    def _deliver(self, response: Response) -> None:
+        stream = self.streams[response.uid]
+        request = stream.job.request
+        stream.generated.append(response.token)
+        stream.first_token_at = stream.first_token_at or time.perf_counter()
+        if response.finish_reason != "stop":
+            stream.detokenizer.add_token(response.token)
+        if response.finish_reason is not None:
+            stream.detokenizer.finalize()
+        entries = []
+        if response.finish_reason != "stop" and request.logprobs:
+            entries = [self._logprob(stream.served, response, request.top_logprobs)]
+        delta, stopped = stream.stops.add(stream.detokenizer.last_segment)
+        finish_reason = "stop" if stopped else response.finish_reason
+        if finish_reason is not None:
+            delta += stream.stops.flush()
+        stream.text += delta
+        stream.logprobs += entries
+        if request.stream and (delta or entries):
+            stream.job.events.put(("delta", delta, entries))
+        if finish_reason is not None:
+            self._finish(response.uid, finish_reason, response.prompt_cache)
+
+    def _finish(self, uid: int, finish_reason: Optional[str], prompt_cache: Optional[List[Any]] = None) -> None:
+        """Retire request `uid` (the batch already retired it when `prompt_cache` is
+        given) and store its cache under exactly the tokens it holds."""
+        stream = self.streams.pop(uid)
+        sequence = stream.tokens + stream.generated
+        num_held = len(sequence)
+        if prompt_cache is None:
+            prompt_cache, num_fed = self.generator.remove([uid], return_prompt_caches=True)[uid]
+            num_held = stream.num_cached + num_fed
+        if num_held > stream.num_cached:
+            stream.served.prompt_cache.insert(sequence[:num_held], prompt_cache)
+        if stream.job.cancelled.is_set():
+            log.info("Client disconnected; stopped after %d generated tokens", len(stream.generated))
+        result = GenerationResult(stream.text, finish_reason or "stop", len(stream.tokens), stream.num_cached,
+                                  len(stream.generated), None, stream.logprobs)
+        seconds = time.perf_counter() - (stream.first_token_at or time.perf_counter())
+        log.info("%s: %d prompt tokens (%d cached), %d generated at %.1f tokens/s (batch of %d)",
+                 stream.served.name, result.prompt_tokens, stream.num_cached, len(stream.generated),
+                 len(stream.generated) / seconds if seconds > 0 else 0.0, len(self.streams) + 1)
+        stream.job.events.put(("done", result))
