@@ -650,6 +650,10 @@ class BatchWorker(GenerationWorker):
             num_held = stream.num_cached + num_fed
         if num_held > stream.num_cached:
             stream.served.prompt_cache.insert(sequence[:num_held], prompt_cache)
+        if num_held < len(stream.tokens):  # cancelled before its prompt was in
+            log.info("Client disconnected during prefill (%d of %d prompt tokens fed); request dropped",
+                     num_held, len(stream.tokens))
+            return
         if stream.job.cancelled.is_set():
             log.info("Client disconnected; stopped after %d generated tokens", len(stream.generated))
         result = GenerationResult(stream.text, finish_reason or "stop", len(stream.tokens), stream.num_cached,
