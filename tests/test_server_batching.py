@@ -100,7 +100,7 @@ def test_stop_string_and_cancel_leave_the_others_alone(model_dirs):
               {"messages": user(QUESTIONS[3]), "stream": True}]
 
     def cancel_third(step, jobs):
-        if step == 4:
+        if sum(e[0] == "delta" for e in list(jobs[2].events.queue)) >= 2:  # mid-generation
             jobs[2].cancelled.set()
 
     events = drive(worker, bodies, cancel_third)
@@ -108,8 +108,26 @@ def test_stop_string_and_cancel_leave_the_others_alone(model_dirs):
     stopped = result(events[1])
     assert stopped.text == full[: full.index(stop)] and stopped.finish_reason == "stop"
     cancelled = result(events[2])
-    assert cancelled.completion_tokens < MAX_TOKENS
+    assert 0 < cancelled.completion_tokens < MAX_TOKENS
     assert reference(served, bodies[2]["messages"]).startswith(cancelled.text)
+
+
+def test_cancel_during_prefill_keeps_what_was_fed(model_dirs):
+    worker = worker_for(model_dirs, "dense")
+    served = worker.provider.default
+    served.prompt_cache = type(served.prompt_cache)(10)
+    messages = user(" ".join(QUESTIONS))
+
+    def cancel(step, jobs):
+        if step == 1:  # noticed after the next step's chunk
+            jobs[0].cancelled.set()
+
+    assert drive(worker, [{"messages": messages}], cancel) == [[]]  # the client is gone: nothing sent
+    (key,) = served.prompt_cache.keys()
+    tokens = worker.provider.make_job(parse_request({"messages": messages}, "chat", ServerDefaults())).tokens
+    assert len(key) == 16 and list(key) == tokens[:16]  # two chunks of 8 went in
+    again = result(drive(worker, [{"messages": messages}])[0])
+    assert again.cached_tokens == 16 and again.text == reference(served, messages)
 
 
 def test_prompt_cache_reuse_per_sequence(model_dirs):
