@@ -168,6 +168,7 @@ class BatchGenerator:
         prompts: Sequence[Sequence[int]],
         max_tokens: Union[None, int, Sequence[int]] = None,
         caches: Optional[Sequence[Optional[List[Any]]]] = None,
+        *,
         samplers: Optional[Sequence[Optional[Sampler]]] = None,
         logits_processors: Optional[Sequence[Optional[List[Processor]]]] = None,
         seeds: Optional[Sequence[Optional[int]]] = None,
