@@ -178,7 +178,7 @@ def test_batch_kv_cache_layout_and_mask():
         c.update_and_fetch(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
         rows.append(c)
     batch = merge_caches([[c] for c in rows])[0]
-    assert isinstance(batch, BatchKVCache) and batch.pads == [2, 0] and batch.offset.tolist() == [3, 5]
+    assert isinstance(batch, BatchKVCache) and batch.num_invalid == [2, 0] and batch.offset.tolist() == [3, 5]
     mask = batch.make_mask(2)
     # Row 0: padding columns 0, 1 hidden; query 0 (column 5) sees 2..5, query 1 sees 2..6.
     assert mask.shape == (2, 1, 2, 7)
@@ -187,7 +187,32 @@ def test_batch_kv_cache_layout_and_mask():
     back = extract_caches([batch], 0)[0]
     assert mx.array_equal(back.state[0], rows[0].state[0]) and back.offset == 3
     kept = batch.filter([1])
-    assert kept.pads == [0] and kept.width == 5
+    assert kept.num_invalid == [0] and kept.width == 5
+    assert batch.positions[:, :5].tolist() == [[-1, -1, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_batch_kv_cache_trims_each_row_and_squeezes_holes(monkeypatch):
+    monkeypatch.setattr(_AlignedKV, "step", 8)
+    rows = []
+    for n in (2, 4):
+        c = KVCache()
+        c.update_and_fetch(*[mx.arange(n, dtype=mx.float32).reshape(1, 1, n, 1)] * 2)
+        rows.append(c)
+    batch = merge_caches([[c] for c in rows])[0]
+    new = mx.full((2, 1, 3, 1), 9.0)
+    batch.update_and_fetch(new, new)
+    batch.trim_rows([3, 1])  # row 0 keeps none of the three, row 1 two
+    assert batch.lengths == [2, 6] and batch.offset.tolist() == [2, 6] and batch.width == 6
+    assert batch.positions[:, :6].tolist() == [[-1, -1, 0, 1, -1, -1], [0, 1, 2, 3, 4, 5]]
+    mask = batch.make_mask(1)[:, 0, 0]  # the next token of each row sees its own tokens only
+    assert mask.tolist() == [[False, False, True, True, False, False, True], [True] * 7]
+    compact = []
+    monkeypatch.setattr(_AlignedKV, "_compact", lambda self, real=_AlignedKV._compact: compact.append(1) or real(self))
+    for _ in range(3):  # past the 8 columns: the holes are squeezed out, then it grows
+        batch.update_and_fetch(new[:, :, :1], new[:, :, :1])
+    assert compact and batch.num_invalid == [4, 0]
+    assert extract_caches([batch], 0)[0].state[0][0, 0, :, 0].tolist() == [0, 1, 9, 9, 9]
+    assert extract_caches([batch], 1)[0].offset == 9
 
 
 def test_batch_rotating_cache_keeps_each_window():

@@ -17,36 +17,54 @@ Recurrent state (`BatchArraysCache`) is simply each row's arrays stacked: a batc
 forward gives every row exactly one new token, so no padding ever enters the recurrence.
 """
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .cache import ArraysCache, CacheList, KVCache, RotatingKVCache
-from .masks import causal_mask_for_positions
 
 
-def _left_padded(rows: mx.array, width: int, capacity: int) -> mx.array:
-    """(B, H, n, D) rows placed right-aligned at columns [width - n, width) of a zero
-    (B, H, capacity, D) buffer."""
-    B, H, n, D = rows.shape
-    pieces = [mx.zeros((B, H, width - n, D), rows.dtype), rows, mx.zeros((B, H, capacity - width, D), rows.dtype)]
-    return mx.concatenate([p for p in pieces if p.shape[2]], axis=2)
+NO_TOKEN = -1  # the position of a column that holds no token (padding, a rejected draft)
+
+
+def _placed(array: mx.array, width: int, capacity: int, axis: int, fill) -> mx.array:
+    """`array`'s n columns along `axis` placed right-aligned at [width - n, width) of
+    `capacity` columns, the rest `fill`."""
+    n = array.shape[axis]
+
+    def block(size):
+        shape = list(array.shape)
+        shape[axis] = size
+        return mx.full(shape, fill, array.dtype)
+
+    pieces = [block(width - n), array, block(capacity - width)]
+    return mx.concatenate([p for p in pieces if p.shape[axis]], axis=axis)
 
 
 class _AlignedKV:
     """Shared machinery of the right-aligned KV layouts (see the module docstring).
 
-    keys/values: (B, H_kv, capacity, D) or None while no row holds a token; `width`:
-    columns in use; `pads`: per-row padding columns; `lengths`: per-row positions (the
-    tokens each row has seen, which for a sliding window exceeds what it holds)."""
+    keys/values: (B, H_kv, capacity, D) or None while no row holds a token; `positions`
+    (B, capacity) int32: the position of the token in each column, NO_TOKEN for none;
+    `width`: columns in use; `lengths`: per-row positions (the tokens each row has
+    seen, which for a sliding window exceeds what it holds); `num_invalid`: per row,
+    columns before `width` that hold no token."""
 
     step = 256
 
-    def __init__(self, keys: Optional[mx.array], values: Optional[mx.array], width: int,
-                 pads: List[int], lengths: List[int]):
-        self.keys, self.values, self.width = keys, values, width
-        self.pads, self.lengths = list(pads), list(lengths)
+    def __init__(self, keys: Optional[mx.array], values: Optional[mx.array], positions: Optional[mx.array],
+                 width: int, lengths: List[int], num_invalid: List[int]):
+        self.keys, self.values, self.positions, self.width = keys, values, positions, width
+        self.lengths, self.num_invalid = list(lengths), list(num_invalid)
         self.offset = mx.array(self.lengths, dtype=mx.int32)  # (B,) rope positions
+
+    @classmethod
+    def _from_rows(cls, keys: Optional[mx.array], values: Optional[mx.array], first_position: int, length: int,
+                   **kwargs) -> "_AlignedKV":
+        """One row holding (1, H, n, D) keys/values of positions first_position.. (n may be 0)."""
+        n = 0 if keys is None else keys.shape[2]
+        positions = None if keys is None else mx.arange(first_position, first_position + n, dtype=mx.int32)[None]
+        return cls(keys, values, positions, n, [length], [0], **kwargs)
 
     @property
     def batch_size(self) -> int:
@@ -55,18 +73,57 @@ class _AlignedKV:
     def _capacity(self, needed: int) -> int:
         return -(-needed // self.step) * self.step
 
+    def _columns_to_drop(self, num_new: int) -> int:
+        """Old columns the next update of num_new tokens drops first (a window's)."""
+        return 0
+
+    def _resize(self, capacity: int) -> None:
+        """The columns in use, right-aligned in buffers of `capacity` columns."""
+        self.keys = _placed(self.keys[..., : self.width, :], self.width, capacity, 2, 0)
+        self.values = _placed(self.values[..., : self.width, :], self.width, capacity, 2, 0)
+        self.positions = _placed(self.positions[:, : self.width], self.width, capacity, 1, NO_TOKEN)
+
     def _ensure_room(self, keys: mx.array, values: mx.array) -> None:
-        """Grow the buffers (in blocks of `step` columns) so the new columns fit."""
-        needed = self.width + keys.shape[2]
-        if self.keys is not None and needed <= self.keys.shape[2]:
-            return
-        capacity = self._capacity(needed)
+        """Make room for the new columns: drop what no query will see, squeeze out the
+        holes left by rejected drafts once they are half the columns, else grow in
+        blocks of `step` columns."""
+        num_new = keys.shape[2]
+        drop = self._columns_to_drop(num_new)
+        if drop:
+            self._drop(drop)
         if self.keys is None:
-            self.keys = _left_padded(keys[..., :0, :], 0, capacity)
-            self.values = _left_padded(values[..., :0, :], 0, capacity)
+            capacity = self._capacity(num_new)
+            self.keys = _placed(keys[..., :0, :], 0, capacity, 2, 0)
+            self.values = _placed(values[..., :0, :], 0, capacity, 2, 0)
+            self.positions = mx.full((keys.shape[0], capacity), NO_TOKEN, mx.int32)
             return
-        self.keys = _left_padded(self.keys[..., : self.width, :], self.width, capacity)
-        self.values = _left_padded(self.values[..., : self.width, :], self.width, capacity)
+        if self.width + num_new <= self.keys.shape[2]:
+            return
+        if max(self.num_invalid) * 2 >= self.width:
+            self._compact()
+        if self.width + num_new > self.keys.shape[2]:
+            self._resize(self._capacity(self.width + num_new))
+
+    def _drop(self, count: int) -> None:
+        self.keys, self.values = self.keys[..., count:, :], self.values[..., count:, :]
+        self.positions = self.positions[:, count:]
+        self.width -= count
+        self.num_invalid = (self.positions[:, : self.width] < 0).sum(axis=1).tolist()
+
+    def _compact(self) -> None:
+        """Every row's tokens moved together, in order, right-aligned (holes squeezed out)."""
+        rows = [[c for c, p in enumerate(row) if p >= 0] for row in self.positions[:, : self.width].tolist()]
+        width = max(len(r) for r in rows)
+        columns = mx.array([[0] * (width - len(r)) + r for r in rows], dtype=mx.int32)  # (B, width)
+        real = mx.array([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+        gather = columns[:, None, :, None]
+        keys = mx.take_along_axis(self.keys[..., : self.width, :], gather, axis=2)
+        values = mx.take_along_axis(self.values[..., : self.width, :], gather, axis=2)
+        positions = mx.where(real, mx.take_along_axis(self.positions[:, : self.width], columns, axis=1), NO_TOKEN)
+        capacity = self.keys.shape[2]
+        self.keys, self.values = _placed(keys, width, capacity, 2, 0), _placed(values, width, capacity, 2, 0)
+        self.positions = _placed(positions, width, capacity, 1, NO_TOKEN)
+        self.width, self.num_invalid = width, [width - len(r) for r in rows]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append (B, H_kv, N, D) keys/values at column `width` for every row; return the
@@ -76,6 +133,7 @@ class _AlignedKV:
         start, end = self.width, self.width + num_new
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
+        self.positions[:, start:end] = self.offset[:, None] + mx.arange(num_new, dtype=mx.int32)
         self.width = end
         self.lengths = [n + num_new for n in self.lengths]
         self.offset = self.offset + num_new
@@ -84,69 +142,95 @@ class _AlignedKV:
     def _window(self, window_size: Optional[int]) -> Optional[int]:
         return window_size
 
-    def _columns_to_drop(self, num_new: int) -> int:
-        """Old columns the next update of num_new tokens drops first (a window's)."""
-        return 0
-
     def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         """(B, 1, N, S) boolean over the S columns the update of these N queries returns:
-        query i of row b sees the columns from pads[b] up to itself, within its window.
-        None for a single query when no row has padding and every row sees every column."""
+        the query at position p of row b sees the columns holding its positions up to p
+        (within its window). None for a single query when every column holds a token
+        and every row sees every column."""
         window = self._window(window_size)
         drop = self._columns_to_drop(num_queries)
-        width, pads = self.width - drop, [max(p - drop, 0) for p in self.pads]
-        if num_queries == 1 and not any(pads) and (window is None or width < window) and not return_array:
+        width = self.width - drop
+        gapless = not drop and not any(self.num_invalid)
+        if num_queries == 1 and gapless and (window is None or width < window) and not return_array:
             return None
-        query_cols = mx.arange(width, width + num_queries)[:, None]  # (N, 1)
-        key_cols = mx.arange(width + num_queries)[None]  # (1, S)
-        causal = causal_mask_for_positions(query_cols, key_cols, window)  # (N, S)
-        real = key_cols >= mx.array(pads)[:, None]  # (B, S)
-        return causal[None, None] & real[:, None, None, :]
+        query_pos = self.offset[:, None] + mx.arange(num_queries, dtype=mx.int32)  # (B, N)
+        held = self.positions[:, drop : self.width] if self.positions is not None else query_pos[:, :0]
+        key_pos = mx.concatenate([held, query_pos], axis=1)[:, None, :]  # (B, 1, S)
+        mask = (key_pos >= 0) & (key_pos <= query_pos[..., None])  # (B, N, S)
+        if window is not None:
+            mask = mask & (query_pos[..., None] - key_pos < window)
+        return mask[:, None]
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        """Forget the last counts[b] tokens of each row b, which must be its last
+        counts[b] columns (so right after a forward of at least that many tokens): they
+        become holes, and the columns no row holds any more are given back."""
+        if not any(counts):
+            return
+        if max(counts) > self.width or min(counts) < 0:
+            raise ValueError(f"cannot trim {list(counts)} tokens from rows holding {self.width} columns")
+        columns = mx.arange(self.positions.shape[1])[None]
+        first_gone = self.width - mx.array(list(counts), dtype=mx.int32)[:, None]
+        self.positions = mx.where((columns >= first_gone) & (columns < self.width), NO_TOKEN, self.positions)
+        self.lengths = [n - c for n, c in zip(self.lengths, counts)]
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+        common = min(counts)
+        self.width -= common
+        self.num_invalid = [i + c - common for i, c in zip(self.num_invalid, counts)]
+
+    def trim(self, n: int) -> int:
+        self.trim_rows([n] * self.batch_size)
+        return max(n, 0)
 
     def _take_rows(self, indices: Sequence[int]):
         at = mx.array(list(indices), dtype=mx.int32)
-        keys = None if self.keys is None else mx.take(self.keys, at, axis=0)
-        values = None if self.values is None else mx.take(self.values, at, axis=0)
-        pads = [self.pads[i] for i in indices]
         lengths = [self.lengths[i] for i in indices]
-        drop = min(pads, default=0)  # padding every kept row has: gone
-        if drop and keys is not None:
-            keys, values = keys[..., drop:, :], values[..., drop:, :]
-        return keys, values, self.width - drop, [p - drop for p in pads], lengths
-
-    @staticmethod
-    def _used(buffer: Optional[mx.array], used: int, width: int, batch_size: int, like: mx.array) -> mx.array:
-        """The `used` columns of `buffer`, right-aligned to `width` (zeros shaped like
-        `like` for rows that hold nothing yet)."""
-        if buffer is None:
-            return mx.zeros((batch_size, like.shape[1], width, like.shape[3]), like.dtype)
-        return _left_padded(buffer[..., :used, :], width, width)
+        num_invalid = [self.num_invalid[i] for i in indices]
+        if self.keys is None:
+            return None, None, None, 0, lengths, num_invalid
+        keys, values = mx.take(self.keys, at, axis=0), mx.take(self.values, at, axis=0)
+        positions = mx.take(self.positions, at, axis=0)
+        leading = mx.argmax(positions[:, : self.width] >= 0, axis=1).tolist() if self.width else [0]
+        drop = min(leading)  # columns no kept row holds a token in: gone
+        keys, values, positions = keys[..., drop:, :], values[..., drop:, :], positions[:, drop:]
+        return keys, values, positions, self.width - drop, lengths, [i - drop for i in num_invalid]
 
     def _joined(self, other: "_AlignedKV"):
-        """keys, values, width, pads, lengths of self's rows then other's."""
+        """keys, values, positions, width, lengths, num_invalid of self's rows then other's."""
+        lengths = self.lengths + other.lengths
         if self.keys is None and other.keys is None:
-            return None, None, 0, self.pads + other.pads, self.lengths + other.lengths
+            return None, None, None, 0, lengths, self.num_invalid + other.num_invalid
         width = max(self.width, other.width)
-        some = self if self.keys is not None else other
         capacity = self._capacity(width + 1)
+        some = self if self.keys is not None else other
         joined = []
-        for name in ("keys", "values"):
-            like = getattr(some, name)
-            rows = [self._used(getattr(c, name), c.width, width, c.batch_size, like) for c in (self, other)]
-            joined.append(_left_padded(mx.concatenate(rows), width, capacity))
-        pads = [p + width - self.width for p in self.pads] + [p + width - other.width for p in other.pads]
-        return joined[0], joined[1], width, pads, self.lengths + other.lengths
+        for name, axis, fill in (("keys", 2, 0), ("values", 2, 0), ("positions", 1, NO_TOKEN)):
+            parts = []
+            for c in (self, other):
+                if c.keys is None:  # rows holding nothing yet
+                    shape = list(getattr(some, name).shape)
+                    shape[0], shape[axis] = c.batch_size, width
+                    parts.append(mx.full(shape, fill, getattr(some, name).dtype))
+                else:
+                    used = getattr(c, name)[:, :, : c.width] if axis == 2 else getattr(c, name)[:, : c.width]
+                    parts.append(_placed(used, width, width, axis, fill))
+            joined.append(_placed(mx.concatenate(parts), width, capacity, axis, fill))
+        num_invalid = [i + width - c.width for c in (self, other) for i in c.num_invalid]
+        return (*joined, width, lengths, num_invalid)
 
-    def _row(self, buffer: mx.array, index: int, num_held: int) -> mx.array:
-        """Row `index`'s last num_held columns as a new contiguous (1, H, n, D) array."""
-        start = self.width - num_held
-        return mx.contiguous(buffer[index : index + 1, :, start : self.width, :])
+    def _row_columns(self, index: int) -> List[int]:
+        """The columns of row `index` that hold tokens, oldest first."""
+        return [c for c, p in enumerate(self.positions[index, : self.width].tolist()) if p >= 0]
+
+    def _row(self, buffer: mx.array, index: int, columns: List[int]) -> mx.array:
+        """Row `index`'s `columns` as a new (1, H, n, D) array."""
+        return mx.take(buffer[index : index + 1], mx.array(columns, dtype=mx.int32), axis=2)
 
     def is_trimmable(self) -> bool:
-        return False
+        return True
 
     def start_speculation(self, rollback_window: int = 0) -> None:
-        raise ValueError(f"speculation inside a batch is not supported ({type(self).__name__})")
+        pass  # rows roll back by turning their last columns into holes (trim_rows)
 
     def stop_speculation(self) -> None:
         pass
@@ -167,11 +251,10 @@ class BatchKVCache(_AlignedKV):
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
-        batch = cls(None, None, 0, [], [])
+        batch = cls(None, None, None, 0, [], [])
         for c in caches:
             keys, values = c.state if c.offset else (None, None)
-            row = cls(keys, values, c.offset, [0], [c.offset])
-            batch = batch.extend(row)
+            batch = batch.extend(cls._from_rows(keys, values, 0, c.offset))
         return batch
 
     def extend(self, other: "BatchKVCache") -> "BatchKVCache":
@@ -182,9 +265,9 @@ class BatchKVCache(_AlignedKV):
 
     def extract(self, index: int) -> KVCache:
         cache = KVCache()
-        num_held = self.width - self.pads[index]
-        if self.keys is not None and num_held:
-            cache.state = (self._row(self.keys, index, num_held), self._row(self.values, index, num_held))
+        columns = [] if self.keys is None else self._row_columns(index)
+        if columns:
+            cache.state = (self._row(self.keys, index, columns), self._row(self.values, index, columns))
         return cache
 
 
@@ -192,9 +275,11 @@ class BatchRotatingKVCache(_AlignedKV):
     """RotatingKVCache rows (sliding windows, no sink tokens) side by side: the newest
     columns right-aligned, each query masked to its window of `max_size` tokens."""
 
-    def __init__(self, max_size: int, keys, values, width: int, pads: List[int], lengths: List[int]):
-        super().__init__(keys, values, width, pads, lengths)
+    def __init__(self, keys, values, positions, width: int, lengths: List[int], num_invalid: List[int],
+                 max_size: int):
+        super().__init__(keys, values, positions, width, lengths, num_invalid)
         self.max_size = max_size
+        self._drop_plan = None  # (width, capacity, num_new) -> columns to drop, for make_mask and the update
 
     def _window(self, window_size: Optional[int]) -> int:
         if window_size is not None and not 0 < window_size <= self.max_size:
@@ -202,18 +287,17 @@ class BatchRotatingKVCache(_AlignedKV):
         return self.max_size if window_size is None else window_size
 
     def _columns_to_drop(self, num_new: int) -> int:
-        # Before growing, drop the columns no query can see any more: the next query
-        # sees at most max_size - 1 earlier tokens, so keeping max_size is enough.
-        full = self.keys is not None and self.width + num_new > self.keys.shape[2]
-        return self.width - self.max_size if full and self.width > self.max_size else 0
-
-    def _ensure_room(self, keys: mx.array, values: mx.array) -> None:
-        drop = self._columns_to_drop(keys.shape[2])
-        if drop:
-            self.keys, self.values = self.keys[..., drop:, :], self.values[..., drop:, :]
-            self.width -= drop
-            self.pads = [max(p - drop, 0) for p in self.pads]
-        super()._ensure_room(keys, values)
+        # When the buffer is full, drop the leading columns no query will see: the
+        # next query of row b sits at position lengths[b] and sees back to
+        # lengths[b] - max_size + 1 (rollbacks never go back before it).
+        if self.keys is None or self.width + num_new <= self.keys.shape[2]:
+            return 0
+        key = (self.width, self.keys.shape[2], num_new)
+        if self._drop_plan is None or self._drop_plan[0] != key:
+            seen = self.positions[:, : self.width] > (self.offset - self.max_size)[:, None]  # (B, width)
+            first = mx.where(seen.any(axis=1), mx.argmax(seen, axis=1), self.width)
+            self._drop_plan = (key, min(first.tolist()))
+        return self._drop_plan[1]
 
     @classmethod
     def merge(cls, caches: Sequence[RotatingKVCache]) -> "BatchRotatingKVCache":
@@ -223,35 +307,44 @@ class BatchRotatingKVCache(_AlignedKV):
         sinks = [c.keep for c in caches if c.keep]
         if sinks:
             raise ValueError(f"batching does not support sink tokens (RotatingKVCache keep={sinks[0]}); drop max_kv_size")
-        batch = cls(sizes.pop(), None, None, 0, [], [])
+        max_size = sizes.pop()
+        batch = cls(None, None, None, 0, [], [], max_size=max_size)
         for c in caches:
             held = c.size()
             keys = c._temporal_order(c.keys) if held else None
             values = c._temporal_order(c.values) if held else None
-            batch = batch.extend(cls(c.max_size, keys, values, held, [0], [c.offset]))
+            batch = batch.extend(cls._from_rows(keys, values, c.offset - held, c.offset, max_size=max_size))
         return batch
 
     def extend(self, other: "BatchRotatingKVCache") -> "BatchRotatingKVCache":
         if other.max_size != self.max_size:
             raise ValueError(f"rotating caches of sizes {self.max_size} and {other.max_size} cannot share a batch")
-        return BatchRotatingKVCache(self.max_size, *self._joined(other))
+        return BatchRotatingKVCache(*self._joined(other), max_size=self.max_size)
 
     def filter(self, indices: Sequence[int]) -> "BatchRotatingKVCache":
-        return BatchRotatingKVCache(self.max_size, *self._take_rows(indices))
+        return BatchRotatingKVCache(*self._take_rows(indices), max_size=self.max_size)
 
     def extract(self, index: int) -> RotatingKVCache:
         """The row as a RotatingKVCache holding its newest tokens in temporal order
         (the write index past them: the next write overwrites the oldest)."""
-        num_held = min(self.width - self.pads[index], self.max_size)
-        if self.keys is None or not num_held:
+        columns = [] if self.keys is None else self._row_columns(index)[-self.max_size :]
+        if not columns:
             return RotatingKVCache(self.max_size)
-        state = (self._row(self.keys, index, num_held), self._row(self.values, index, num_held))
-        meta = tuple(map(str, (0, self.max_size, self.lengths[index], num_held)))
+        state = (self._row(self.keys, index, columns), self._row(self.values, index, columns))
+        meta = tuple(map(str, (0, self.max_size, self.lengths[index], len(columns))))
         return RotatingKVCache.from_state(state, meta)
 
 
 class BatchArraysCache(ArraysCache):
-    """ArraysCache rows (recurrent and conv state) stacked along the batch axis."""
+    """ArraysCache rows (recurrent and conv state) stacked along the batch axis.
+
+    While speculating, the layers record each forward (`record_rollback`, as for one
+    sequence) and `trim_rows` rewinds each row by its own count: the replay of the
+    forward's first m tokens is computed once per distinct m and each row takes its own.
+    A new record commits the previous forward (a batch verifies once per round)."""
+
+    _speculating = False
+    _record: Optional[Tuple[int, Callable, List[Optional[mx.array]]]] = None
 
     @classmethod
     def merge(cls, caches: Sequence[ArraysCache]) -> "BatchArraysCache":
@@ -264,32 +357,71 @@ class BatchArraysCache(ArraysCache):
     def batch_size(self) -> int:
         return 0 if self.cache[0] is None else self.cache[0].shape[0]
 
+    def _like(self, arrays: List[Optional[mx.array]]) -> "BatchArraysCache":
+        made = BatchArraysCache(len(arrays))
+        made.cache, made._speculating = arrays, self._speculating
+        return made
+
     def extend(self, other: ArraysCache) -> "BatchArraysCache":
         if len(other.cache) != len(self.cache):
             raise ValueError(f"ArraysCache of {len(other.cache)} arrays cannot join a batch of {len(self.cache)}")
-        joined = BatchArraysCache(len(self.cache))
-        for i, (mine, theirs) in enumerate(zip(self.cache, other.cache)):
+        joined = []
+        for mine, theirs in zip(self.cache, other.cache):
             if mine is None or theirs is None:
                 if mine is not None or self.batch_size:
                     raise ValueError("a recurrent cache that has seen no token cannot join a batch that has")
-                joined[i] = theirs
+                joined.append(theirs)
             else:
-                joined[i] = mx.concatenate([mine, theirs])
-        return joined
+                joined.append(mx.concatenate([mine, theirs]))
+        return self._like(joined)
 
     def filter(self, indices: Sequence[int]) -> "BatchArraysCache":
         at = mx.array(list(indices), dtype=mx.int32)
-        kept = BatchArraysCache(len(self.cache))
-        kept.cache = [None if a is None else mx.take(a, at, axis=0) for a in self.cache]
-        return kept
+        return self._like([None if a is None else mx.take(a, at, axis=0) for a in self.cache])
 
     def extract(self, index: int) -> ArraysCache:
         row = ArraysCache(len(self.cache))
         row.cache = [None if a is None else mx.contiguous(a[index : index + 1]) for a in self.cache]
         return row
 
+    @property
+    def speculating(self) -> bool:
+        return self._speculating
+
     def start_speculation(self, rollback_window: int = 0) -> None:
-        raise ValueError("speculation inside a batch is not supported (BatchArraysCache)")
+        self._speculating, self._record = True, None
+
+    def stop_speculation(self) -> None:
+        self._speculating, self._record = False, None
+
+    def record_rollback(self, num_tokens: int, fn: Callable, snapshot: List[Optional[mx.array]]) -> None:
+        if not self._speculating:
+            raise RuntimeError("record_rollback called on a BatchArraysCache that is not speculating")
+        self._record = (num_tokens, fn, list(snapshot))
+
+    def is_trimmable(self) -> bool:
+        return self._speculating
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        """Rewind row b by counts[b] of the last forward's tokens."""
+        record, self._record = self._record, None
+        if not any(counts):
+            return
+        if record is None or max(counts) > record[0]:
+            raise RuntimeError(f"cannot roll rows back by {list(counts)}: the last forward recorded "
+                               f"{0 if record is None else record[0]} tokens")
+        num_tokens, fn, snapshot = record
+        keeps = [num_tokens - c for c in counts]
+        states = {m: self.cache if m == num_tokens else snapshot if m == 0 else list(fn(m)) for m in set(keeps)}
+        if len(states) == 1:
+            self.cache = list(states[keeps[0]])
+            return
+        self.cache = [mx.concatenate([states[m][i][b : b + 1] for b, m in enumerate(keeps)])
+                      for i in range(len(self.cache))]
+
+    def trim(self, n: int) -> int:
+        self.trim_rows([n] * self.batch_size)
+        return max(n, 0)
 
 
 class BatchCacheList(CacheList):
@@ -307,6 +439,10 @@ class BatchCacheList(CacheList):
 
     def extract(self, index: int) -> CacheList:
         return CacheList(*(c.extract(index) for c in self.caches))
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        for c in self.caches:
+            c.trim_rows(counts)
 
 
 # Which batched class holds rows of each cache class (exact types: a QuantizedKVCache
@@ -351,6 +487,12 @@ def extend_caches(batched: List[Any], more: List[Any]) -> List[Any]:
 def filter_caches(batched: List[Any], indices: Sequence[int]) -> List[Any]:
     """Only rows `indices` (in that order), padding common to all of them dropped."""
     return [entry.filter(indices) for entry in batched]
+
+
+def trim_rows(batched: List[Any], counts: Sequence[int]) -> None:
+    """Forget the last counts[b] tokens of each row b (see _AlignedKV.trim_rows)."""
+    for entry in batched:
+        entry.trim_rows(counts)
 
 
 def extract_caches(batched: List[Any], index: int) -> List[Any]:
