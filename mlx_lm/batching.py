@@ -30,7 +30,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .drafters import prefill
-from .models.batch_cache import extend_caches, extract_caches, filter_caches, merge_caches
+from .drafters import PromptLookup
+from .models.batch_cache import (
+    extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
+)
 from .models.cache import make_prompt_cache
 from .sample_utils import make_sampler
 from .tokenizer_utils import TokenizerWrapper
@@ -51,6 +54,8 @@ class BatchStats:
     generation_tps: float = 0.0
     generation_time: float = 0.0
     peak_memory: float = 0.0
+    draft_tokens: int = 0  # with prompt_lookup: drafts verified, and of them accepted
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -106,6 +111,20 @@ class _Sequence:
     num_generated: int = 0
     num_sampled: int = 0
     first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
+    lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
+
+
+GREEDY = make_sampler()  # rows with this sampler and no processors may speculate
+
+
+def check_rollback(model: nn.Module) -> None:
+    """Speculating rows roll back every cache entry: recurrent states only through
+    their layers' records (`supports_speculative_rollback`)."""
+    layers_record = getattr(type(model), "supports_speculative_rollback", False)
+    blocked = sorted({type(c).__name__ for c in make_prompt_cache(model) if c.needs_layer_records and not layers_record})
+    if blocked:
+        raise ValueError(f"prompt_lookup needs every cache of {type(model).__module__} to roll back, but "
+                         f"{', '.join(blocked)} entries cannot: its layers do not record rollbacks")
 
 
 def _seeded_key(seed: int, step: int) -> int:
@@ -137,6 +156,9 @@ class BatchGenerator:
         completion_batch_size: int = 32,
         prefill_step_size: int = 2048,
         return_prompt_caches: bool = False,
+        prompt_lookup: bool = False,
+        num_draft_tokens: int = 3,
+        max_ngram_size: int = 3,
     ):
         if completion_batch_size < 1:
             raise ValueError(f"completion_batch_size must be at least 1, got {completion_batch_size}")
@@ -150,6 +172,12 @@ class BatchGenerator:
         self.completion_batch_size = completion_batch_size
         self.prefill_step_size = prefill_step_size
         self.return_prompt_caches = return_prompt_caches
+        if prompt_lookup:
+            check_rollback(model)
+            if num_draft_tokens < 1:
+                raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
+            PromptLookup(max_ngram_size)  # checks it
+        self.prompt_lookup, self.num_draft_tokens, self.max_ngram_size = prompt_lookup, num_draft_tokens, max_ngram_size
         self._next_uid = 0
         self._queued: Deque[_Sequence] = deque()  # inserted, not yet admitted
         self._prefilling: List[_Sequence] = []  # admitted, prompt being fed
@@ -201,6 +229,8 @@ class BatchGenerator:
         processors = self.logits_processors if processors is None else list(processors)
         sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,
                              total=tokens.size, history=tokens if processors else None)
+        if self.prompt_lookup and sequence.sampler is GREEDY and not processors:
+            sequence.lookup = PromptLookup(self.max_ngram_size, context=list(prompt))
         self._next_uid += 1
         return sequence
 
@@ -265,6 +295,9 @@ class BatchGenerator:
         joining, self._ready = self._ready, []
         merged = merge_caches([s.cache for s in joining])
         self._caches = merged if self._caches is None else extend_caches(self._caches, merged)
+        if self.prompt_lookup:  # (a join comes between rounds: no rollback is pending)
+            for entry in self._caches:
+                entry.start_speculation()
         tokens = [s.first[0] if s.first else s.prompt for s in joining]
         self._tokens = mx.concatenate(([self._tokens] if self._tokens is not None else []) + tokens)
         self._logprobs += [s.first[1][0] if s.first else None for s in joining]
@@ -278,34 +311,103 @@ class BatchGenerator:
         self._join_ready()
         if not self._active:
             return []
+        if self.prompt_lookup:
+            fed = self._tokens.tolist()  # drafting needs each row's token now
+            drafts = self._drafts(fed)
+            if any(drafts):
+                return self._speculative_step(fed, drafts)
         fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
         for i, s in enumerate(self._active):
             s.num_in_cache += 1
             if s.history is not None and emit[i]:
                 s.history = mx.concatenate([s.history, fed[i : i + 1]])
+        make_room(self._caches, 1)
         logits = self.model(fed[:, None], cache=self._caches)[:, -1, :]  # (B, V)
         self._tokens, logprobs = self._sample(logits)
         mx.async_eval(self._tokens, logprobs)
         self._logprobs = [logprobs[i] for i in range(len(self._active))]
         self._emit = [True] * len(self._active)
-        return self._report(fed.tolist(), fed_logprobs, emit)
-
-    def _report(self, fed: List[int], logprobs: List[Optional[mx.array]], emit: List[bool]) -> List[Response]:
-        """Responses for the generated tokens just fed; finished rows leave."""
         responses, finished = [], []
-        for i, s in enumerate(self._active):
-            if not emit[i]:
-                continue
-            s.num_generated += 1
-            self._stats.generation_tokens += 1
-            token = fed[i]
-            reason = "stop" if token in self.stop_tokens else "length" if s.num_generated == s.max_tokens else None
-            responses.append(Response(s.uid, token, logprobs[i], reason))
-            if reason is not None:
+        for i, (s, token) in enumerate(zip(self._active, fed.tolist())):
+            if emit[i] and self._emit_token(s, token, fed_logprobs[i], responses):
                 finished.append(i)
-                if self.return_prompt_caches:
-                    responses[-1].prompt_cache = extract_caches(self._caches, i)
-        self._drop_rows(finished)
+        self._retire(finished, responses)
+        return responses
+
+    def _emit_token(self, s: _Sequence, token: int, logprobs: mx.array, responses: List[Response]) -> bool:
+        """Report a generated token (already fed); True if it ends the sequence."""
+        s.num_generated += 1
+        self._stats.generation_tokens += 1
+        reason = "stop" if token in self.stop_tokens else "length" if s.num_generated == s.max_tokens else None
+        responses.append(Response(s.uid, token, logprobs, reason))
+        return reason is not None
+
+    def _retire(self, rows: List[int], responses: List[Response]) -> None:
+        """Finished rows leave the batch; their last responses carry their caches if asked."""
+        if self.return_prompt_caches:
+            last = {r.uid: r for r in responses}
+            for i in rows:
+                last[self._active[i].uid].prompt_cache = extract_caches(self._caches, i)
+        self._drop_rows(rows)
+
+    # ------------------------------------------------------------------ speculation
+
+    def _drafts(self, fed: List[int]) -> List[List[int]]:
+        """Each speculating row commits its token about to be fed and looks up drafts
+        (no more than its remaining max_tokens can take)."""
+        drafts = []
+        for i, s in enumerate(self._active):
+            if s.lookup is None:
+                drafts.append([])
+                continue
+            if self._emit[i]:
+                s.lookup.extend([fed[i]])
+            room = self.num_draft_tokens
+            if s.max_tokens != -1:
+                room = min(room, s.max_tokens - s.num_generated - self._emit[i])
+            drafts.append(s.lookup.lookup(room) if room > 0 else [])
+        return drafts
+
+    def _speculative_step(self, fed: List[int], drafts: List[List[int]]) -> List[Response]:
+        """Feed every row its token and drafts (padded to the longest) in one forward;
+        each row accepts the drafts its greedy targets agree with and forgets the rest."""
+        num_columns = 1 + max(len(d) for d in drafts)
+        rows = [[fed[i]] + d + [fed[i]] * (num_columns - 1 - len(d)) for i, d in enumerate(drafts)]
+        make_room(self._caches, num_columns)
+        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._caches)  # (B, K + 1, V)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        plain = {}  # rows that do not speculate: sampled after their token, as in a plain step
+        for i, s in enumerate(self._active):
+            if s.lookup is None:
+                if s.history is not None and self._emit[i]:
+                    s.history = mx.concatenate([s.history, mx.array([fed[i]], dtype=mx.uint32)])
+                plain[i] = self._sample_row(s, logits[i : i + 1, 0])
+        targets = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1)
+        responses, finished, trims, tokens, next_logprobs = [], [], [], [], []
+        for i, s in enumerate(self._active):
+            num_accepted = 0
+            while num_accepted < len(drafts[i]) and drafts[i][num_accepted] == targets[i][num_accepted]:
+                num_accepted += 1
+            self._stats.draft_tokens += len(drafts[i])
+            self._stats.accepted_tokens += num_accepted
+            tokens.append(plain[i][0] if i in plain else mx.array([targets[i][num_accepted]], dtype=mx.uint32))
+            next_logprobs.append(plain[i][1][0] if i in plain else logprobs[i, num_accepted])
+            emitted = [(fed[i], self._logprobs[i])] if self._emit[i] else []
+            emitted += [(drafts[i][j], logprobs[i, j]) for j in range(num_accepted)]
+            kept = 1 + num_accepted  # columns of this round the row's cache keeps
+            for j, (token, token_logprobs) in enumerate(emitted):
+                if self._emit_token(s, token, token_logprobs, responses):
+                    kept = j + 1 if self._emit[i] else j + 2  # up to and with the last token reported
+                    finished.append(i)
+                    break
+            if s.lookup is not None:
+                s.lookup.extend(drafts[i][:num_accepted])
+            trims.append(num_columns - kept)
+            s.num_in_cache += kept
+        trim_rows(self._caches, trims)
+        self._tokens = mx.concatenate(tokens)
+        self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
+        self._retire(finished, responses)
         return responses
 
     def _drop_rows(self, rows: List[int]) -> None:

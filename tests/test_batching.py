@@ -8,9 +8,10 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from checkpoints import TINY_CONFIGS
+from mlx_lm import batching
 from mlx_lm.batching import BatchGenerator, batch_generate
 from mlx_lm.generate import generate_step
-from mlx_lm.models.batch_cache import _AlignedKV, BatchKVCache, BatchRotatingKVCache, merge_caches, extract_caches
+from mlx_lm.models.batch_cache import _AlignedKV, BatchKVCache, BatchRotatingKVCache, make_room, merge_caches, extract_caches
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
 from mlx_lm.utils import get_model_classes
@@ -116,25 +117,24 @@ def test_prompt_cache_reuse_and_returned_caches():
     full = prompt(12, 42)
     cache = make_prompt_cache(model)
     model(mx.array(full[:7])[None], cache=cache)
-    generator = BatchGenerator(model, max_tokens=6, return_prompt_caches=True)
-    uid = generator.insert([full[7:], prompt(5, 43)], caches=[cache, None])[0]
-    out, caches = {}, {}
-    while len(generator):
-        for r in generator.next_generated():
-            out.setdefault(r.uid, []).append(r.token)
-            if r.finish_reason:
-                caches[r.uid] = r.prompt_cache
+    generator = BatchGenerator(model, return_prompt_caches=True)
+    out, caches = generate_all(generator, [full[7:], prompt(5, 43)], 6, caches=[cache, None])
     solo_cache = make_prompt_cache(model)
-    want = solo(model, full, 6, prompt_cache=solo_cache)
-    assert out[uid] == want
-    # The returned cache holds the prompt and all 6 tokens, as the solo run's does.
-    for mine, theirs in zip(caches[uid], solo_cache):
-        for a, b in zip(flat(mine.state), flat(theirs.state)):
+    assert out[0] == solo(model, full, 6, prompt_cache=solo_cache)
+    assert_same_caches(caches[0], solo_cache)  # the prompt and all 6 tokens, as the solo run's
+
+
+def assert_same_caches(mine, theirs):
+    for a_entry, b_entry in zip(mine, theirs):
+        for a, b in zip(flat(a_entry), flat(b_entry)):
             assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4)
 
 
-def flat(state):
-    return [x for _, x in tree_flatten(list(state))]
+def flat(entry):
+    """What a cache entry holds, in temporal order (a ring buffer's layout aside)."""
+    if isinstance(entry, RotatingKVCache):
+        return [mx.array(entry.offset)] + [entry._temporal_order(b) for b in (entry.keys, entry.values)]
+    return [x for _, x in tree_flatten(list(entry.state))]
 
 
 def test_stop_tokens_and_processors():
@@ -209,6 +209,7 @@ def test_batch_kv_cache_trims_each_row_and_squeezes_holes(monkeypatch):
     compact = []
     monkeypatch.setattr(_AlignedKV, "_compact", lambda self, real=_AlignedKV._compact: compact.append(1) or real(self))
     for _ in range(3):  # past the 8 columns: the holes are squeezed out, then it grows
+        make_room([batch], 1)  # as the generator does before each forward
         batch.update_and_fetch(new[:, :, :1], new[:, :, :1])
     assert compact and batch.num_invalid == [4, 0]
     assert extract_caches([batch], 0)[0].state[0][0, 0, :, 0].tolist() == [0, 1, 9, 9, 9]
@@ -245,3 +246,87 @@ def test_batch_generate_texts_equal_solo(tiny_model_dir):
     assert result.stats.generation_tokens == sum(len(t) for t in result.token_ids) + sum(
         len(t) < 8 for t in result.token_ids
     )
+
+
+def repetitive_prompt(length, seed):
+    """A short random phrase repeated: prompt lookup finds drafts, right or wrong."""
+    phrase = prompt(3 + seed % 3, seed)
+    return (phrase * length)[:length]
+
+
+class OracleLookup:
+    """Drafts from the solo answer, the k-th draft of every few rounds wrong, so rows
+    accept different numbers of drafts (every per-row rollback length is exercised)."""
+
+    def __init__(self, answer):
+        self.answer, self.committed, self.rounds = answer or [], -1, 0  # the first extend is the prompt's token
+
+    def extend(self, tokens):
+        self.committed += len(tokens)
+
+    def lookup(self, k):
+        self.rounds += 1
+        drafts = list(self.answer[max(self.committed, 0) : max(self.committed, 0) + k])
+        wrong = self.rounds % (k + 1)
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % 200
+        return drafts
+
+
+def generate_all(generator, prompts, budgets, **kwargs):
+    uids = generator.insert(prompts, max_tokens=budgets, **kwargs)
+    out, caches = {}, {}
+    while len(generator):
+        for r in generator.next_generated():
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason:
+                caches[r.uid] = r.prompt_cache
+    return [out[u] for u in uids], [caches.get(u) for u in uids]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_speculation_in_the_batch_equals_solo(name, monkeypatch):
+    monkeypatch.setattr(_AlignedKV, "step", 8)  # holes squeezed out and buffers grown often
+    model = tiny_model(name)
+    lengths, budgets = [14, 5, 22, 9], [12, 16, 7, 14]
+    prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
+    solo_caches = [make_prompt_cache(model) for _ in prompts]
+    answers = [solo(model, p, b, prefill_step_size=6, prompt_cache=c) for p, b, c in zip(prompts, budgets, solo_caches)]
+    oracles = {tuple(p): a for p, a in zip(prompts, answers)}
+    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): OracleLookup(oracles.get(tuple(context))))
+    generator = BatchGenerator(model, completion_batch_size=3, prefill_step_size=6, prompt_lookup=True,
+                               num_draft_tokens=3, return_prompt_caches=True)
+    out, caches = generate_all(generator, prompts, budgets)
+    stats = generator.stats()
+    assert 0 < stats.accepted_tokens < stats.draft_tokens  # drafts accepted and rejected
+    for i in range(len(prompts)):
+        assert out[i] == answers[i], (name, i)
+        assert_same_caches(caches[i], solo_caches[i])  # rolled back per row: the prompt and the answer
+
+
+def test_prompt_lookup_in_the_batch_equals_solo():
+    model = tiny_model("qwen3")
+    lengths, budgets = [14, 5, 22, 9], [12, 16, 7, 14]
+    prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
+    sampled = make_sampler(temp=1.0)
+    generator = BatchGenerator(model, completion_batch_size=3, prefill_step_size=6, prompt_lookup=True)
+    out, _ = generate_all(generator, prompts + [prompts[1]], budgets + [8],
+                          samplers=[None] * 4 + [sampled], seeds=[None] * 4 + [5])  # the last decodes plainly
+    assert generator.stats().accepted_tokens > 0
+    for i, (p, budget) in enumerate(zip(prompts, budgets)):
+        assert out[i] == solo(model, p, budget), i
+    alone = BatchGenerator(model, max_tokens=8)
+    assert out[4] == generate_all(alone, [prompts[1]], 8, samplers=[sampled], seeds=[5])[0][0]
+
+
+def test_prompt_lookup_needs_layers_that_record():
+    class Plain(type(tiny_model("qwen3_next"))):
+        supports_speculative_rollback = False
+
+    model = tiny_model("qwen3_next")
+    model.__class__ = Plain
+    try:
+        with pytest.raises(ValueError, match="ArraysCache"):
+            BatchGenerator(model, prompt_lookup=True)
+    finally:
+        model.__class__ = Plain.__bases__[0]

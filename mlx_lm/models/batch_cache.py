@@ -74,7 +74,7 @@ class _AlignedKV:
         return -(-needed // self.step) * self.step
 
     def _columns_to_drop(self, num_new: int) -> int:
-        """Old columns the next update of num_new tokens drops first (a window's)."""
+        """Leading columns no query will see any more (a window's)."""
         return 0
 
     def _resize(self, capacity: int) -> None:
@@ -83,25 +83,27 @@ class _AlignedKV:
         self.values = _placed(self.values[..., : self.width, :], self.width, capacity, 2, 0)
         self.positions = _placed(self.positions[:, : self.width], self.width, capacity, 1, NO_TOKEN)
 
-    def _ensure_room(self, keys: mx.array, values: mx.array) -> None:
-        """Make room for the new columns: drop what no query will see, squeeze out the
-        holes left by rejected drafts once they are half the columns, else grow in
-        blocks of `step` columns."""
-        num_new = keys.shape[2]
+    def make_room(self, num_new: int) -> None:
+        """Before a forward of num_new tokens (not during one: the mask and the update
+        must see the same columns), if they do not fit: drop the columns no query will
+        see, and squeeze out the holes left by rejected drafts once they are half."""
+        if self.keys is None or self.width + num_new <= self.keys.shape[2]:
+            return
         drop = self._columns_to_drop(num_new)
         if drop:
             self._drop(drop)
+        if self.width + num_new > self.keys.shape[2] and max(self.num_invalid) * 2 >= self.width:
+            self._compact()
+
+    def _ensure_room(self, keys: mx.array, values: mx.array) -> None:
+        """Allocate, or grow in blocks of `step` columns, so the new columns fit."""
+        num_new = keys.shape[2]
         if self.keys is None:
             capacity = self._capacity(num_new)
             self.keys = _placed(keys[..., :0, :], 0, capacity, 2, 0)
             self.values = _placed(values[..., :0, :], 0, capacity, 2, 0)
             self.positions = mx.full((keys.shape[0], capacity), NO_TOKEN, mx.int32)
-            return
-        if self.width + num_new <= self.keys.shape[2]:
-            return
-        if max(self.num_invalid) * 2 >= self.width:
-            self._compact()
-        if self.width + num_new > self.keys.shape[2]:
+        elif self.width + num_new > self.keys.shape[2]:
             self._resize(self._capacity(self.width + num_new))
 
     def _drop(self, count: int) -> None:
@@ -148,13 +150,11 @@ class _AlignedKV:
         (within its window). None for a single query when every column holds a token
         and every row sees every column."""
         window = self._window(window_size)
-        drop = self._columns_to_drop(num_queries)
-        width = self.width - drop
-        gapless = not drop and not any(self.num_invalid)
-        if num_queries == 1 and gapless and (window is None or width < window) and not return_array:
+        gapless = not any(self.num_invalid)
+        if num_queries == 1 and gapless and (window is None or self.width < window) and not return_array:
             return None
         query_pos = self.offset[:, None] + mx.arange(num_queries, dtype=mx.int32)  # (B, N)
-        held = self.positions[:, drop : self.width] if self.positions is not None else query_pos[:, :0]
+        held = self.positions[:, : self.width] if self.positions is not None else query_pos[:, :0]
         key_pos = mx.concatenate([held, query_pos], axis=1)[:, None, :]  # (B, 1, S)
         mask = (key_pos >= 0) & (key_pos <= query_pos[..., None])  # (B, N, S)
         if window is not None:
@@ -279,7 +279,6 @@ class BatchRotatingKVCache(_AlignedKV):
                  max_size: int):
         super().__init__(keys, values, positions, width, lengths, num_invalid)
         self.max_size = max_size
-        self._drop_plan = None  # (width, capacity, num_new) -> columns to drop, for make_mask and the update
 
     def _window(self, window_size: Optional[int]) -> int:
         if window_size is not None and not 0 < window_size <= self.max_size:
@@ -287,17 +286,11 @@ class BatchRotatingKVCache(_AlignedKV):
         return self.max_size if window_size is None else window_size
 
     def _columns_to_drop(self, num_new: int) -> int:
-        # When the buffer is full, drop the leading columns no query will see: the
-        # next query of row b sits at position lengths[b] and sees back to
+        # The next query of row b sits at position lengths[b] and sees back to
         # lengths[b] - max_size + 1 (rollbacks never go back before it).
-        if self.keys is None or self.width + num_new <= self.keys.shape[2]:
-            return 0
-        key = (self.width, self.keys.shape[2], num_new)
-        if self._drop_plan is None or self._drop_plan[0] != key:
-            seen = self.positions[:, : self.width] > (self.offset - self.max_size)[:, None]  # (B, width)
-            first = mx.where(seen.any(axis=1), mx.argmax(seen, axis=1), self.width)
-            self._drop_plan = (key, min(first.tolist()))
-        return self._drop_plan[1]
+        seen = self.positions[:, : self.width] > (self.offset - self.max_size)[:, None]  # (B, width)
+        first = mx.where(seen.any(axis=1), mx.argmax(seen, axis=1), self.width)
+        return min(first.tolist())
 
     @classmethod
     def merge(cls, caches: Sequence[RotatingKVCache]) -> "BatchRotatingKVCache":
@@ -423,6 +416,9 @@ class BatchArraysCache(ArraysCache):
         self.trim_rows([n] * self.batch_size)
         return max(n, 0)
 
+    def make_room(self, num_new: int) -> None:
+        pass  # a fixed size
+
 
 class BatchCacheList(CacheList):
     """CacheList rows: each child batched on its own."""
@@ -443,6 +439,10 @@ class BatchCacheList(CacheList):
     def trim_rows(self, counts: Sequence[int]) -> None:
         for c in self.caches:
             c.trim_rows(counts)
+
+    def make_room(self, num_new: int) -> None:
+        for c in self.caches:
+            c.make_room(num_new)
 
 
 # Which batched class holds rows of each cache class (exact types: a QuantizedKVCache
@@ -487,6 +487,12 @@ def extend_caches(batched: List[Any], more: List[Any]) -> List[Any]:
 def filter_caches(batched: List[Any], indices: Sequence[int]) -> List[Any]:
     """Only rows `indices` (in that order), padding common to all of them dropped."""
     return [entry.filter(indices) for entry in batched]
+
+
+def make_room(batched: List[Any], num_new: int) -> None:
+    """Call before each forward of num_new tokens per row (see _AlignedKV.make_room)."""
+    for entry in batched:
+        entry.make_room(num_new)
 
 
 def trim_rows(batched: List[Any], counts: Sequence[int]) -> None:
