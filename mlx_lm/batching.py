@@ -112,6 +112,7 @@ class _Sequence:
     num_sampled: int = 0
     first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
     lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
+    num_draft_tokens: int = 0  # its cap on drafts per round
 
 
 GREEDY = make_sampler()  # rows with this sampler and no processors may speculate
@@ -197,40 +198,53 @@ class BatchGenerator:
         max_tokens: Union[None, int, Sequence[int]] = None,
         caches: Optional[Sequence[Optional[List[Any]]]] = None,
         *,
+        cached_tokens: Optional[Sequence[Sequence[int]]] = None,
         samplers: Optional[Sequence[Optional[Sampler]]] = None,
         logits_processors: Optional[Sequence[Optional[List[Processor]]]] = None,
         seeds: Optional[Sequence[Optional[int]]] = None,
+        num_draft_tokens: Optional[Sequence[Optional[int]]] = None,
     ) -> List[int]:
         """Queue `prompts` (lists of token ids); per prompt optionally a cache holding
-        earlier tokens (the prompt is then what follows them), max_tokens (-1: no limit),
-        sampler, logits processors (they see the prompt given and what follows) and a
-        seed. Everything is checked before anything is queued. Returns the uids."""
+        earlier tokens (the prompt is then what follows them) and those tokens
+        (`cached_tokens`: logits processors and prompt lookup see them, then the prompt
+        and what follows), max_tokens (-1: no limit), sampler, logits processors, seed
+        and, with prompt_lookup, a cap on drafts per round. Everything is checked before
+        anything is queued. Returns the uids."""
         n = len(prompts)
-        per_prompt = {"max_tokens": max_tokens, "caches": caches, "samplers": samplers,
-                      "logits_processors": logits_processors, "seeds": seeds}
+        per_prompt = {"max_tokens": max_tokens, "caches": caches, "samplers": samplers, "cached_tokens": cached_tokens,
+                      "logits_processors": logits_processors, "seeds": seeds, "num_draft_tokens": num_draft_tokens}
         for name, values in per_prompt.items():
             if values is not None and not isinstance(values, int) and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
         if isinstance(max_tokens, int) or max_tokens is None:
             max_tokens = [self.max_tokens if max_tokens is None else max_tokens] * n
-        sequences = [self._sequence(prompts[i], max_tokens[i], caches and caches[i], samplers and samplers[i],
-                                    logits_processors and logits_processors[i], seeds and seeds[i])
+        def pick(values, i):
+            return None if values is None else values[i]
+
+        sequences = [self._sequence(prompts[i], max_tokens[i], pick(caches, i), pick(cached_tokens, i) or (),
+                                    pick(samplers, i), pick(logits_processors, i), pick(seeds, i),
+                                    pick(num_draft_tokens, i) or self.num_draft_tokens)
                      for i in range(n)]
         self._queued.extend(sequences)
         return [s.uid for s in sequences]
 
-    def _sequence(self, prompt, max_tokens, cache, sampler, processors, seed) -> _Sequence:
+    def _sequence(self, prompt, max_tokens, cache, cached_tokens, sampler, processors, seed,
+                  num_draft_tokens) -> _Sequence:
         tokens = mx.array(list(prompt), dtype=mx.uint32)
         if tokens.ndim != 1 or tokens.size == 0:
             raise ValueError(f"each prompt must be a non-empty list of token ids, got {list(prompt)!r}")
         if max_tokens != -1 and max_tokens < 1:
             raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
         cache = make_prompt_cache(self.model) if cache is None else cache
         processors = self.logits_processors if processors is None else list(processors)
+        seen = list(cached_tokens) + list(prompt)
         sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,
-                             total=tokens.size, history=tokens if processors else None)
+                             total=tokens.size, history=mx.array(seen, dtype=mx.uint32) if processors else None,
+                             num_draft_tokens=num_draft_tokens)
         if self.prompt_lookup and sequence.sampler is GREEDY and not processors:
-            sequence.lookup = PromptLookup(self.max_ngram_size, context=list(prompt))
+            sequence.lookup = PromptLookup(self.max_ngram_size, context=seen)
         self._next_uid += 1
         return sequence
 
@@ -362,7 +376,7 @@ class BatchGenerator:
                 continue
             if self._emit[i]:
                 s.lookup.extend([fed[i]])
-            room = self.num_draft_tokens
+            room = s.num_draft_tokens
             if s.max_tokens != -1:
                 room = min(room, s.max_tokens - s.num_generated - self._emit[i])
             drafts.append(s.lookup.lookup(room) if room > 0 else [])

@@ -453,7 +453,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-step-size", type=positive_int, default=2048, help="Prompt tokens per prefill forward")
     parser.add_argument("--max-batch-size", type=positive_int, default=8,
                         help="Requests decoded together (continuous batching; 1: one at a time). Servers with "
-                             "--draft-model or --prompt-lookup serve one request at a time")
+                             "--draft-model serve one request at a time")
     parser.add_argument("--allowed-origins", default="",
                         help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
                              "server, or '*' for any; requests from other pages (they carry an Origin header) "
@@ -528,8 +528,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(f"Error: {e}")
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
-    if args.draft_model is None and not args.prompt_lookup and args.max_batch_size > 1:
-        server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size)
+    if args.draft_model is None and args.max_batch_size > 1:
+        server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size,
+                                    args.num_draft_tokens, args.prompt_lookup, args.max_ngram_size)
     else:
         server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens,
                                          args.fixed_draft_length, args.prompt_lookup, args.max_ngram_size)

@@ -5,9 +5,9 @@ Serving. The model (and `--draft-model`) is loaded once. Request handler threads
 parse, validate and tokenize (tokenizing needs no MLX); every MLX computation runs on
 one worker thread that takes jobs from a queue. Without speculation that worker is a
 BatchWorker: concurrent requests decode together in one BatchGenerator (continuous
-batching, `--max-batch-size` at once), each greedy answer the one it gets alone. With
-`--draft-model` or `--prompt-lookup` (or `--max-batch-size 1`) it is a
-GenerationWorker, which serves one request at a time.
+batching, `--max-batch-size` at once, speculating with `--prompt-lookup`), each
+greedy answer the one it gets alone. With `--draft-model` (or `--max-batch-size 1`)
+it is a GenerationWorker, which serves one request at a time.
 
 Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
 with a 400 on the handler thread, before any model work; a text too long to fit even
@@ -530,8 +530,10 @@ class BatchWorker(GenerationWorker):
     exactly the tokens its cache holds. A cancelled request leaves the batch at the
     next step; the others go on undisturbed."""
 
-    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, max_batch_size: int = 8):
-        super().__init__(provider, prefill_step_size)
+    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, max_batch_size: int = 8,
+                 default_num_draft_tokens: int = 3, prompt_lookup: bool = False, max_ngram_size: int = 3):
+        super().__init__(provider, prefill_step_size, default_num_draft_tokens, prompt_lookup=prompt_lookup,
+                         max_ngram_size=max_ngram_size)
         self.max_batch_size = max_batch_size
         self.backlog: "deque[Job]" = deque()
         self.streams: Dict[int, _Stream] = {}
@@ -568,25 +570,24 @@ class BatchWorker(GenerationWorker):
 
     def _start(self, job: Job) -> None:
         request, served = job.request, self.provider.default
-        if request.num_draft_tokens is not None:
+        if request.num_draft_tokens is not None and not self.prompt_lookup:
             raise RequestError(400, "num_draft_tokens needs a server started with --draft-model or --prompt-lookup")
         tokens = job.tokens
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
         fetched = served.prompt_cache.fetch(tokens)
-        if processors and fetched.num_cached:
-            # The batch sees only the tokens it is fed; penalties must also see the cached part.
-            seen = mx.array(tokens[: fetched.num_cached])
-            processors = [lambda history, logits, p=p: p(mx.concatenate([seen, history]), logits) for p in processors]
         seeded = request.seed is not None and request.sampling["temp"] > 0
         if self.generator is None:
             self.generator = BatchGenerator(
                 served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
-                prefill_step_size=self.prefill_step_size, return_prompt_caches=True,
+                prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
+                num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
             )
+        # Penalties and lookups also see the part of the prompt already in the cache.
         uid = self.generator.insert(
             [fetched.remaining], [max_tokens], caches=[fetched.prompt_cache or served.make_cache()],
-            samplers=[sampler], logits_processors=[processors], seeds=[request.seed % (1 << 64) if seeded else None],
+            cached_tokens=[tokens[: fetched.num_cached]], samplers=[sampler], logits_processors=[processors],
+            seeds=[request.seed % (1 << 64) if seeded else None], num_draft_tokens=[request.num_draft_tokens],
         )[0]
         self.streams[uid] = _Stream(job, served, tokens, fetched.num_cached)
 

@@ -30,11 +30,12 @@ def model_dirs(tmp_path_factory):
 _workers = {}
 
 
-def worker_for(model_dirs, name, max_batch_size=3):
-    key = (name, max_batch_size)
+def worker_for(model_dirs, name, max_batch_size=3, prompt_lookup=False):
+    key = (name, max_batch_size, prompt_lookup)
     if key not in _workers:
         provider = ModelProvider(str(model_dirs[name]), None, False, 10, 1 << 40, None)
-        _workers[key] = BatchWorker(provider, prefill_step_size=8, max_batch_size=max_batch_size)
+        _workers[key] = BatchWorker(provider, prefill_step_size=8, max_batch_size=max_batch_size,
+                                    prompt_lookup=prompt_lookup)
     return _workers[key]
 
 
@@ -89,6 +90,19 @@ def test_concurrent_greedy_answers_equal_solo(model_dirs, name):
         assert answer.text == reference(served, body["messages"]), (name, body)
         if body["stream"]:
             assert "".join(e[1] for e in got if e[0] == "delta") == answer.text
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_prompt_lookup_speculates_inside_the_batch(model_dirs, name):
+    worker = worker_for(model_dirs, name, prompt_lookup=True)
+    served = worker.provider.default
+    questions = [q + " " + q for q in QUESTIONS]  # something to look up
+    bodies = [{"messages": user(q), "num_draft_tokens": 1 + i % 3} for i, q in enumerate(questions)]
+    bodies[1]["stream"] = True
+    events = drive(worker, bodies)
+    for body, got in zip(bodies, events):
+        assert result(got).text == reference(served, body["messages"]), (name, body)
+    assert worker.generator.stats().draft_tokens > 0
 
 
 def test_stop_string_and_cancel_leave_the_others_alone(model_dirs):
@@ -157,7 +171,7 @@ def test_seeded_sampling_is_reproducible_per_request(model_dirs):
 def test_logprobs_and_bad_requests(model_dirs):
     worker = worker_for(model_dirs, "dense")
     events = drive(worker, [{"messages": user("Hi."), "logprobs": True, "top_logprobs": 2},
-                            {"messages": user("Hi."), "num_draft_tokens": 2}])
+                            {"messages": user("Hi."), "num_draft_tokens": 2}])  # no --prompt-lookup
     answer = result(events[0])
     assert len(answer.logprobs) == answer.completion_tokens and all(len(e.top) == 2 for e in answer.logprobs)
     assert events[1][-1][0] == "error" and events[1][-1][1] == 400
