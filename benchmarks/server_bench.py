@@ -1,5 +1,6 @@
 """`mlx_lm.server` benchmarks: the second turn of a chat with prompt-cache reuse vs none
-(`--mode reuse`, the default), and throughput with many concurrent clients (`--mode clients`).
+(`--mode reuse`, the default), throughput with many concurrent clients (`--mode clients`),
+and the batch engine alone, in process (`--mode engine`).
 
     python benchmarks/server_bench.py [--model DIR] [--draft-model DIR] [--turn1-tokens 1500]
                                       [--max-tokens 32] [--conversations 3]
@@ -13,6 +14,10 @@ wall time. Servers: ours batched (`--max-batch-size 32`), ours sequential
 from PyPI into benchmarks/.venv-upstream on first use, run outside this checkout), all on
 the same checkpoint: by default a qwen3 of hidden 256 and 6 layers with random weights
 and the test suite's 512-token tokenizer. Writes results/server_clients.md and .png.
+
+Engine mode: the same N prompts through one BatchGenerator vs one generate_step after
+the other (no HTTP), tokens/s of each and whether every greedy answer is the same;
+with --prompt-lookup the batch speculates too. Writes results/batch_engine.md.
 
 Reuse mode:
 
@@ -44,6 +49,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import List
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -240,6 +246,19 @@ def report(model_label, args, results):
 # Clients mode: aggregate throughput of N concurrent clients.
 
 
+def machine() -> str:
+    """Where the numbers come from: on a small shared CPU a forward of B rows costs about
+    B times one, so batching gains little there; it pays where a forward is mostly fixed
+    cost (a GPU running a small model)."""
+    import platform
+
+    import mlx.core as mx
+
+    load = os.getloadavg()[0]
+    return (f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs (load average {load:.1f} "
+            f"at the end), MLX {mx.__version__} on {mx.default_device()}.")
+
+
 def ensure_upstream() -> Path:
     python = VENV / "bin" / "python"
     if not python.exists():
@@ -305,7 +324,8 @@ def report_clients(label: str, args, results: dict) -> None:
             row += f" | {batched / results['upstream'][n]:.2f}x"
         lines.append(row + " |")
     lines += ["", f"Ours batched at each client count / ours sequential with {args.clients[0]} client(s): "
-              + ", ".join(f"{n}: {results['ours batched'][n] / sequential_1:.2f}x" for n in args.clients), ""]
+              + ", ".join(f"{n}: {results['ours batched'][n] / sequential_1:.2f}x" for n in args.clients),
+              "", machine(), ""]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "server_clients.md").write_text("\n".join(lines))
     print("\n".join(lines))
@@ -330,9 +350,61 @@ def report_clients(label: str, args, results: dict) -> None:
     fig.savefig(RESULTS / "server_clients.png", dpi=120)
 
 
+# ---------------------------------------------------------------------------
+# Engine mode: BatchGenerator vs generate_step in process.
+
+
+def run_engine(model_dir: Path, args) -> List[dict]:
+    import mlx.core as mx
+
+    from mlx_lm.batching import BatchGenerator
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(model_dir))
+    rows = []
+    for n in args.clients:
+        prompts = [tokenizer.encode(client_prompt(i, 0)) for i in range(n)]
+        start = time.perf_counter()
+        solo = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=args.max_tokens)] for p in prompts]
+        solo_s = time.perf_counter() - start
+        generator = BatchGenerator(model, max_tokens=args.max_tokens, completion_batch_size=n,
+                                   prompt_lookup=args.prompt_lookup)
+        start = time.perf_counter()
+        uids = generator.insert(prompts)
+        batched = {uid: [] for uid in uids}
+        while len(generator):
+            for r in generator.next_generated():
+                batched[r.uid].append(r.token)
+        batch_s = time.perf_counter() - start
+        total = sum(len(t) for t in solo)
+        rows.append(dict(n=n, solo=total / solo_s, batched=sum(len(t) for t in batched.values()) / batch_s,
+                         same=all(batched[u] == t for u, t in zip(uids, solo))))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def report_engine(label: str, args, rows: List[dict]) -> None:
+    lines = [
+        "# Batch engine in process: BatchGenerator vs one generate_step after the other",
+        "",
+        f"{label}; greedy, {args.max_tokens} tokens a prompt (prefill included), prompt lookup "
+        f"{'on' if args.prompt_lookup else 'off'}.",
+        "",
+        "| prompts | sequential tok/s | batched tok/s | batched / sequential | same greedy tokens |",
+        "|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['n']} | {r['solo']:.1f} | {r['batched']:.1f} | {r['batched'] / r['solo']:.2f}x | {r['same']} |")
+    lines += ["", machine()]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batch_engine.md").write_text("\n".join(lines + [""]))
+    print("\n".join(lines))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=["reuse", "clients"], default="reuse")
+    parser.add_argument("--mode", choices=["reuse", "clients", "engine"], default="reuse")
     parser.add_argument("--model", type=Path, default=None,
                         help="Target model (default: reuse, the demo hybrid; clients, a random qwen3)")
     parser.add_argument("--draft-model", type=Path, default=None, help="Reuse mode: draft model for speculation")
@@ -342,7 +414,16 @@ def main():
     parser.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--no-upstream", action="store_true", help="Clients mode: skip upstream mlx-lm")
+    parser.add_argument("--prompt-lookup", action="store_true", help="Engine mode: speculate inside the batch")
     args = parser.parse_args()
+    if args.mode == "engine":
+        args.max_tokens = args.max_tokens or 48
+        sys.path.insert(0, str(ROOT))
+        with tempfile.TemporaryDirectory() as tmp:
+            model = args.model or write_stand_in(Path(tmp) / "dense", DENSE)
+            label = str(args.model) if args.model else "qwen3 (hidden 256, 6 layers, random weights)"
+            report_engine(label, args, run_engine(model, args))
+        return
     if args.mode == "clients":
         args.max_tokens = args.max_tokens or 48
         with tempfile.TemporaryDirectory() as tmp:
