@@ -16,6 +16,14 @@ How a sequence goes through (`BatchGenerator.next` does one step of each stage):
    finished row holds its prompt and every token it produced (as after generate_step).
 4. Finished (a stop token or max_tokens) or removed: its row leaves the batch.
 
+Speculation (`prompt_lookup=True`): each row drafts from its own prompt and output
+(drafters.PromptLookup, at most its num_draft_tokens), one forward verifies every row's
+token and drafts (padded to the longest), each row accepts by its own rule (greedy:
+the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
+so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
+columns become holes, recurrent states are replayed from the layers' records). Rows
+with logits processors decode plainly in the same forward.
+
 Greedy output of every sequence equals its solo run, whatever joins or leaves: rows do
 not see each other (per-row masks hide other rows' padding), and a row's numbers differ
 from a solo run only by the rounding of batched matrix products.
@@ -29,13 +37,12 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import prefill
-from .drafters import PromptLookup
+from .drafters import PromptLookup, point_masses, prefill, speculative_sample
 from .models.batch_cache import (
     extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
 from .models.cache import make_prompt_cache
-from .sample_utils import make_sampler
+from .sample_utils import CategoricalSampler, make_sampler
 from .tokenizer_utils import TokenizerWrapper
 
 Sampler = Callable[[mx.array], mx.array]
@@ -115,7 +122,7 @@ class _Sequence:
     num_draft_tokens: int = 0  # its cap on drafts per round
 
 
-GREEDY = make_sampler()  # rows with this sampler and no processors may speculate
+GREEDY = make_sampler()  # rows with this sampler speculate by token matching
 
 
 def check_rollback(model: nn.Module) -> None:
@@ -126,6 +133,14 @@ def check_rollback(model: nn.Module) -> None:
     if blocked:
         raise ValueError(f"prompt_lookup needs every cache of {type(model).__module__} to roll back, but "
                          f"{', '.join(blocked)} entries cannot: its layers do not record rollbacks")
+
+
+def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
+    """How many leading drafts equal the targets."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
 
 
 def _seeded_key(seed: int, step: int) -> int:
@@ -243,7 +258,7 @@ class BatchGenerator:
         sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,
                              total=tokens.size, history=mx.array(seen, dtype=mx.uint32) if processors else None,
                              num_draft_tokens=num_draft_tokens)
-        if self.prompt_lookup and sequence.sampler is GREEDY and not processors:
+        if self.prompt_lookup and not processors:
             sequence.lookup = PromptLookup(self.max_ngram_size, context=seen)
         self._next_uid += 1
         return sequence
@@ -384,36 +399,23 @@ class BatchGenerator:
 
     def _speculative_step(self, fed: List[int], drafts: List[List[int]]) -> List[Response]:
         """Feed every row its token and drafts (padded to the longest) in one forward;
-        each row accepts the drafts its greedy targets agree with and forgets the rest."""
+        each row accepts drafts by its own rule (_decide) and forgets the rest."""
         num_columns = 1 + max(len(d) for d in drafts)
         rows = [[fed[i]] + d + [fed[i]] * (num_columns - 1 - len(d)) for i, d in enumerate(drafts)]
         make_room(self._caches, num_columns)
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._caches)  # (B, K + 1, V)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        plain = {}  # rows that do not speculate: sampled after their token, as in a plain step
-        for i, s in enumerate(self._active):
-            if s.lookup is None:
-                if s.history is not None and self._emit[i]:
-                    s.history = mx.concatenate([s.history, mx.array([fed[i]], dtype=mx.uint32)])
-                plain[i] = self._sample_row(s, logits[i : i + 1, 0])
-        targets = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1)
+        greedy = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1): the greedy rows' targets
         responses, finished, trims, tokens, next_logprobs = [], [], [], [], []
         for i, s in enumerate(self._active):
-            num_accepted = 0
-            while num_accepted < len(drafts[i]) and drafts[i][num_accepted] == targets[i][num_accepted]:
-                num_accepted += 1
+            num_accepted, token, token_logprobs = self._decide(i, s, drafts[i], logits, logprobs, greedy[i])
             self._stats.draft_tokens += len(drafts[i])
             self._stats.accepted_tokens += num_accepted
-            tokens.append(plain[i][0] if i in plain else mx.array([targets[i][num_accepted]], dtype=mx.uint32))
-            next_logprobs.append(plain[i][1][0] if i in plain else logprobs[i, num_accepted])
-            emitted = [(fed[i], self._logprobs[i])] if self._emit[i] else []
-            emitted += [(drafts[i][j], logprobs[i, j]) for j in range(num_accepted)]
-            kept = 1 + num_accepted  # columns of this round the row's cache keeps
-            for j, (token, token_logprobs) in enumerate(emitted):
-                if self._emit_token(s, token, token_logprobs, responses):
-                    kept = j + 1 if self._emit[i] else j + 2  # up to and with the last token reported
-                    finished.append(i)
-                    break
+            tokens.append(token)
+            next_logprobs.append(token_logprobs)
+            kept, done = self._commit(i, s, fed[i], drafts[i][:num_accepted], logprobs, responses)
+            if done:
+                finished.append(i)
             if s.lookup is not None:
                 s.lookup.extend(drafts[i][:num_accepted])
             trims.append(num_columns - kept)
@@ -423,6 +425,48 @@ class BatchGenerator:
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
         self._retire(finished, responses)
         return responses
+
+    def _decide(self, i: int, s: _Sequence, drafts: List[int], logits: mx.array, logprobs: mx.array,
+                greedy: List[int]) -> Tuple[int, mx.array, mx.array]:
+        """Row i's accepted drafts, the token after them (1,) and its logprobs (V,):
+        greedy rows keep the drafts the argmax agrees with; sampling rows speculative
+        sampling (a CategoricalSampler; a draft is a point mass) or token matching (any
+        other sampler); rows with processors do not speculate (a plain step)."""
+        if s.lookup is None:
+            if s.history is not None and self._emit[i]:
+                s.history = mx.concatenate([s.history, self._tokens[i : i + 1]])
+            token, token_logprobs = self._sample_row(s, logits[i : i + 1, 0])
+            return 0, token, token_logprobs[0]
+        if s.sampler is GREEDY:
+            num_accepted = accepted_prefix(drafts, greedy)
+            return num_accepted, mx.array([greedy[num_accepted]], dtype=mx.uint32), logprobs[i, num_accepted]
+        row = logprobs[i, : len(drafts) + 1]  # (k + 1, V)
+        if s.seed is not None:
+            mx.random.seed(_seeded_key(s.seed, s.num_sampled))
+        s.num_sampled += 1
+        ids = mx.array(drafts, dtype=mx.uint32)
+        if not drafts:
+            num_accepted, token = 0, s.sampler(row)
+        elif isinstance(s.sampler, CategoricalSampler):
+            accepted, token = speculative_sample(s.sampler.distribution(row), point_masses(ids, row.shape[-1]), ids)
+            num_accepted, token = accepted.item(), token[None]
+        else:
+            targets = s.sampler(row).tolist()
+            num_accepted = accepted_prefix(drafts, targets)
+            token = mx.array([targets[num_accepted]], dtype=mx.uint32)
+        return num_accepted, token, logprobs[i, num_accepted]
+
+    def _commit(self, i: int, s: _Sequence, fed: int, accepted: List[int], logprobs: mx.array,
+                responses: List[Response]) -> Tuple[int, bool]:
+        """Report row i's fed token (unless the prompt's) and accepted drafts, up to a
+        stop; returns how many of this round's columns its cache keeps, and whether it
+        finished."""
+        emitted = [(fed, self._logprobs[i])] if self._emit[i] else []
+        emitted += [(token, logprobs[i, j]) for j, token in enumerate(accepted)]
+        for j, (token, token_logprobs) in enumerate(emitted):
+            if self._emit_token(s, token, token_logprobs, responses):
+                return (j + 1 if self._emit[i] else j + 2), True  # up to and with its last token
+        return 1 + len(accepted), False
 
     def _drop_rows(self, rows: List[int]) -> None:
         if not rows:

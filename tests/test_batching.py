@@ -308,15 +308,50 @@ def test_prompt_lookup_in_the_batch_equals_solo():
     model = tiny_model("qwen3")
     lengths, budgets = [14, 5, 22, 9], [12, 16, 7, 14]
     prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
-    sampled = make_sampler(temp=1.0)
-    generator = BatchGenerator(model, completion_batch_size=3, prefill_step_size=6, prompt_lookup=True)
-    out, _ = generate_all(generator, prompts + [prompts[1]], budgets + [8],
-                          samplers=[None] * 4 + [sampled], seeds=[None] * 4 + [5])  # the last decodes plainly
+    sampled, penalty = make_sampler(temp=1.0), [make_repetition_penalty(1.3, 6)]
+    generator = BatchGenerator(model, completion_batch_size=4, prefill_step_size=6, prompt_lookup=True)
+    # Greedy rows, a seeded sampled row (speculative sampling) and a row with a penalty (decodes plainly).
+    out, _ = generate_all(generator, prompts + [prompts[0], prompts[1]], budgets + [12, 8],
+                          samplers=[None] * 5 + [sampled], seeds=[None] * 5 + [5],
+                          logits_processors=[None] * 4 + [penalty, None])
     assert generator.stats().accepted_tokens > 0
     for i, (p, budget) in enumerate(zip(prompts, budgets)):
         assert out[i] == solo(model, p, budget), i
-    alone = BatchGenerator(model, max_tokens=8)
-    assert out[4] == generate_all(alone, [prompts[1]], 8, samplers=[sampled], seeds=[5])[0][0]
+    assert out[4] == solo(model, prompts[0], 12, logits_processors=penalty)
+    alone = BatchGenerator(model, max_tokens=8, prompt_lookup=True)
+    assert out[5] == generate_all(alone, [prompts[1]], 8, samplers=[sampled], seeds=[5])[0][0]
+
+
+class FixedLookup:
+    def __init__(self, token):
+        self.token = token
+
+    def extend(self, tokens):
+        pass
+
+    def lookup(self, k):
+        return [self.token][:k]
+
+
+@pytest.mark.parametrize("drafted", ["likely", "unlikely"])
+def test_speculative_sampling_in_the_batch_keeps_the_law(drafted, monkeypatch):
+    """Sampling at temperature 1 with one drafted token after the prompt: over many
+    seeds, the first token follows the target's law whether the draft is likely
+    (mostly accepted) or not (mostly corrected)."""
+    model = tiny_model("qwen3")
+    p = prompt(6, 21)
+    law = mx.softmax(model(mx.array(p)[None])[0, -1], axis=-1)
+    ranked = mx.argsort(-law).tolist()
+    draft = ranked[0] if drafted == "likely" else ranked[-1]
+    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(draft))
+    generator = BatchGenerator(model, max_tokens=1, sampler=make_sampler(temp=1.0), prompt_lookup=True)
+    num_samples = 400
+    firsts = [t[0] for t in generate_all(generator, [p] * num_samples, 1, seeds=list(range(num_samples)))[0]]
+    assert generator.stats().draft_tokens == num_samples
+    for token in ranked[:2]:
+        q = law[token].item()
+        frequency = firsts.count(token) / num_samples
+        assert abs(frequency - q) < 4 * (q * (1 - q) / num_samples) ** 0.5 + 1e-3, (token, frequency, q)
 
 
 def test_prompt_lookup_needs_layers_that_record():
