@@ -529,8 +529,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
     if args.draft_model is None and args.max_batch_size > 1:
-        server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size,
-                                    args.num_draft_tokens, args.prompt_lookup, args.max_ngram_size)
+        try:
+            server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size,
+                                        args.num_draft_tokens, args.prompt_lookup, args.max_ngram_size)
+        except ValueError as e:  # e.g. --prompt-lookup on a model whose caches cannot roll back
+            server.server_close()
+            sys.exit(f"Error: {e}")
     else:
         server.worker = GenerationWorker(server.provider, args.prefill_step_size, args.num_draft_tokens,
                                          args.fixed_draft_length, args.prompt_lookup, args.max_ngram_size)

@@ -537,7 +537,15 @@ class BatchWorker(GenerationWorker):
         self.max_batch_size = max_batch_size
         self.backlog: "deque[Job]" = deque()
         self.streams: Dict[int, _Stream] = {}
-        self.generator: Optional[BatchGenerator] = None
+        self.generator = self._make_generator()  # a model that cannot speculate fails here, at startup
+
+    def _make_generator(self) -> BatchGenerator:
+        served = self.provider.default
+        return BatchGenerator(
+            served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
+            prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
+            num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
+        )
 
     def run_forever(self) -> None:
         while True:
@@ -567,6 +575,9 @@ class BatchWorker(GenerationWorker):
                 self._start(job)
             except RequestError as e:
                 job.events.put(("error", e.status, e.message))
+            except Exception as e:  # the server stays up; the client learns why
+                log.exception("Could not start the request")
+                job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
 
     def _start(self, job: Job) -> None:
         request, served = job.request, self.provider.default
@@ -577,12 +588,6 @@ class BatchWorker(GenerationWorker):
         sampler, processors = self._sampling(served, request)
         fetched = served.prompt_cache.fetch(tokens)
         seeded = request.seed is not None and request.sampling["temp"] > 0
-        if self.generator is None:
-            self.generator = BatchGenerator(
-                served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
-                prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
-                num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
-            )
         # Penalties and lookups also see the part of the prompt already in the cache.
         uid = self.generator.insert(
             [fetched.remaining], [max_tokens], caches=[fetched.prompt_cache or served.make_cache()],
@@ -600,7 +605,7 @@ class BatchWorker(GenerationWorker):
             for stream in self.streams.values():
                 stream.job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
             self.streams.clear()
-            self.generator = None
+            self.generator = self._make_generator()
             return
         for event in progress:
             self._prefilled(event)

@@ -203,3 +203,22 @@ def test_http_concurrent_clients(model_dirs, tmp_path):
     finally:
         server.process.terminate()
         server.process.wait(timeout=30)
+
+
+def test_worker_fails_fast_and_stays_up(model_dirs, monkeypatch):
+    worker = worker_for(model_dirs, "hybrid")
+    model_class = type(worker.provider.default.model)
+    monkeypatch.setattr(model_class, "supports_speculative_rollback", False)
+    with pytest.raises(ValueError, match="roll back"):
+        BatchWorker(worker.provider, prompt_lookup=True)  # at startup, not at the first request
+    monkeypatch.undo()
+
+    def broken(tokens):
+        raise RuntimeError("disk on fire")
+
+    served = worker.provider.default
+    monkeypatch.setattr(served.prompt_cache, "fetch", broken)
+    events = drive(worker, [{"messages": user("Hi.")}])
+    assert events[0][-1][:2] == ("error", 500) and "disk on fire" in events[0][-1][2]
+    monkeypatch.undo()
+    assert result(drive(worker, [{"messages": user("Hi.")}])[0]).text == reference(served, user("Hi."))
