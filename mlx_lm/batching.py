@@ -16,8 +16,9 @@ How a sequence goes through (`BatchGenerator.next` does one step of each stage):
    finished row holds its prompt and every token it produced (as after generate_step).
 4. Finished (a stop token or max_tokens) or removed: its row leaves the batch.
 
-Speculation (`prompt_lookup=True`): each row drafts from its own prompt and output
-(drafters.PromptLookup, at most its num_draft_tokens), one forward verifies every row's
+Speculation (`prompt_lookup=True`, or a `draft_model` whose caches are batched beside
+the target's and drafts every row greedily in K single-token steps): each row drafts
+from its own prompt and output (at most its num_draft_tokens), one forward verifies every row's
 token and drafts (padded to the longest), each row accepts by its own rule (greedy:
 the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
 so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
@@ -37,7 +38,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import PromptLookup, point_masses, prefill, speculative_sample
+from .drafters import PromptLookup, ids_within, point_masses, prefill, speculative_sample
 from .models.batch_cache import (
     extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
@@ -120,6 +121,7 @@ class _Sequence:
     first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
     lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
     num_draft_tokens: int = 0  # its cap on drafts per round
+    speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
 
 
 GREEDY = make_sampler()  # rows with this sampler speculate by token matching
@@ -143,6 +145,14 @@ def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
     return n
 
 
+def check_draft(draft_model: nn.Module) -> None:
+    """A draft in a batch rolls back by its KV columns; recurrent drafts are not batched."""
+    blocked = sorted({type(c).__name__ for c in make_prompt_cache(draft_model) if c.needs_layer_records})
+    if blocked:
+        raise ValueError(f"a draft model in a batch needs attention caches only; {type(draft_model).__module__} "
+                         f"has {', '.join(blocked)} entries (speculate with it one request at a time)")
+
+
 def _seeded_key(seed: int, step: int) -> int:
     """The global seed a seeded row sets before its step-th draw: a function of the
     request's seed and the step only, so its samples do not depend on its batch."""
@@ -159,6 +169,9 @@ class BatchGenerator:
     sequences are admitted (prefilling or decoding) at once; the rest wait in order.
     `stop_tokens` end a sequence (the stop token is reported, finish_reason "stop").
     With `return_prompt_caches`, each finished sequence's last Response carries its caches.
+    With `prompt_lookup` or a `draft_model` (attention caches only), rows speculate
+    (module docstring); with a draft model a cache list holds the target's entries, then
+    the draft's (given to `insert`, returned by `remove` and in responses).
     """
 
     def __init__(
@@ -175,6 +188,7 @@ class BatchGenerator:
         prompt_lookup: bool = False,
         num_draft_tokens: int = 3,
         max_ngram_size: int = 3,
+        draft_model: Optional[nn.Module] = None,
     ):
         if completion_batch_size < 1:
             raise ValueError(f"completion_batch_size must be at least 1, got {completion_batch_size}")
@@ -188,12 +202,20 @@ class BatchGenerator:
         self.completion_batch_size = completion_batch_size
         self.prefill_step_size = prefill_step_size
         self.return_prompt_caches = return_prompt_caches
-        if prompt_lookup:
+        if prompt_lookup and draft_model is not None:
+            raise ValueError("give prompt_lookup=True or a draft_model, not both")
+        if prompt_lookup or draft_model is not None:
             check_rollback(model)
             if num_draft_tokens < 1:
                 raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
             PromptLookup(max_ngram_size)  # checks it
+        if draft_model is not None:
+            check_draft(draft_model)
         self.prompt_lookup, self.num_draft_tokens, self.max_ngram_size = prompt_lookup, num_draft_tokens, max_ngram_size
+        self.draft_model = draft_model
+        self.speculating = prompt_lookup or draft_model is not None
+        # Cache lists hold the target's entries, then (with a draft model) the draft's.
+        self._num_target = len(make_prompt_cache(model))
         self._next_uid = 0
         self._queued: Deque[_Sequence] = deque()  # inserted, not yet admitted
         self._prefilling: List[_Sequence] = []  # admitted, prompt being fed
@@ -252,12 +274,17 @@ class BatchGenerator:
             raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
-        cache = make_prompt_cache(self.model) if cache is None else cache
+        if cache is None:
+            cache = make_prompt_cache(self.model) + (make_prompt_cache(self.draft_model) if self.draft_model else [])
+        elif len(cache) != self._num_target + (len(make_prompt_cache(self.draft_model)) if self.draft_model else 0):
+            raise ValueError(f"a cache of {len(cache)} entries does not fit this generator: give the target's "
+                             f"entries{', then the draft model' + chr(39) + 's' if self.draft_model else ''}")
         processors = self.logits_processors if processors is None else list(processors)
         seen = list(cached_tokens) + list(prompt)
         sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,
                              total=tokens.size, history=mx.array(seen, dtype=mx.uint32) if processors else None,
                              num_draft_tokens=num_draft_tokens)
+        sequence.speculates = self.speculating and not processors
         if self.prompt_lookup and not processors:
             sequence.lookup = PromptLookup(self.max_ngram_size, context=seen)
         self._next_uid += 1
@@ -297,7 +324,7 @@ class BatchGenerator:
             s = self._prefilling[0]
             n = min(self.prefill_step_size, s.prompt.size - 1)
             if n > 0:
-                prefill(self.model, s.prompt[: n + 1], s.cache, self.prefill_step_size, lambda done, total: None)
+                self._prefill_chunk(s, s.prompt[: n + 1])
                 s.prompt, s.num_in_cache, budget = s.prompt[n:], s.num_in_cache + n, budget - n
                 self._stats.prompt_tokens += n
             if s.prompt.size > 1:
@@ -311,8 +338,22 @@ class BatchGenerator:
             self._ready.append(s)
         return progress
 
+    def _prefill_chunk(self, s: _Sequence, tokens: mx.array) -> None:
+        """Feed all of `tokens` but the last to the sequence's caches (the draft's too)."""
+        no_progress = lambda done, total: None  # noqa: E731
+        prefill(self.model, tokens, s.cache[: self._num_target], self.prefill_step_size, no_progress)
+        if self.draft_model is not None:
+            prefill(self.draft_model, self._draft_ids(tokens), s.cache[self._num_target :], self.prefill_step_size,
+                    no_progress)
+
+    def _draft_ids(self, tokens: mx.array) -> mx.array:
+        """Ids beyond the draft's table fed as 0 (as speculative decoding feeds them)."""
+        return ids_within(tokens, self.draft_model.args.vocab_size)
+
     def _first_alone(self, s: _Sequence) -> None:
-        logits = self.model(s.prompt[None], cache=s.cache)[:, -1, :]
+        if self.draft_model is not None:
+            self.draft_model(self._draft_ids(s.prompt)[None], cache=s.cache[self._num_target :])
+        logits = self.model(s.prompt[None], cache=s.cache[: self._num_target])[:, -1, :]
         s.num_in_cache += 1
         self._stats.prompt_tokens += 1
         s.first = self._sample_row(s, logits)
@@ -324,7 +365,7 @@ class BatchGenerator:
         joining, self._ready = self._ready, []
         merged = merge_caches([s.cache for s in joining])
         self._caches = merged if self._caches is None else extend_caches(self._caches, merged)
-        if self.prompt_lookup:  # (a join comes between rounds: no rollback is pending)
+        if self.speculating:  # (a join comes between rounds: no rollback is pending)
             for entry in self._caches:
                 entry.start_speculation()
         tokens = [s.first[0] if s.first else s.prompt for s in joining]
@@ -340,9 +381,9 @@ class BatchGenerator:
         self._join_ready()
         if not self._active:
             return []
-        if self.prompt_lookup:
+        if self.speculating:
             fed = self._tokens.tolist()  # drafting needs each row's token now
-            drafts = self._drafts(fed)
+            drafts = self._drafts(fed) if self.prompt_lookup else self._model_drafts(fed)
             if any(drafts):
                 return self._speculative_step(fed, drafts)
         fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
@@ -351,7 +392,9 @@ class BatchGenerator:
             if s.history is not None and emit[i]:
                 s.history = mx.concatenate([s.history, fed[i : i + 1]])
         make_room(self._caches, 1)
-        logits = self.model(fed[:, None], cache=self._caches)[:, -1, :]  # (B, V)
+        if self.draft_model is not None:  # the draft sees every token too
+            mx.async_eval(self.draft_model(self._draft_ids(fed)[:, None], cache=self._caches[self._num_target :]))
+        logits = self.model(fed[:, None], cache=self._caches[: self._num_target])[:, -1, :]  # (B, V)
         self._tokens, logprobs = self._sample(logits)
         mx.async_eval(self._tokens, logprobs)
         self._logprobs = [logprobs[i] for i in range(len(self._active))]
@@ -386,24 +429,61 @@ class BatchGenerator:
         (no more than its remaining max_tokens can take)."""
         drafts = []
         for i, s in enumerate(self._active):
-            if s.lookup is None:
+            if not s.speculates:
                 drafts.append([])
                 continue
             if self._emit[i]:
                 s.lookup.extend([fed[i]])
-            room = s.num_draft_tokens
-            if s.max_tokens != -1:
-                room = min(room, s.max_tokens - s.num_generated - self._emit[i])
+            room = self._draft_room(i, s)
             drafts.append(s.lookup.lookup(room) if room > 0 else [])
         return drafts
+
+    def _draft_room(self, i: int, s: _Sequence) -> int:
+        """How many drafts row i may verify this round."""
+        if not s.speculates:
+            return 0
+        room = s.num_draft_tokens
+        if s.max_tokens != -1:
+            room = min(room, s.max_tokens - s.num_generated - self._emit[i])
+        return max(room, 0)
+
+    def _model_drafts(self, fed: List[int]) -> List[List[int]]:
+        """The draft model's greedy continuation of every row (a point mass, so sampling
+        rows keep the target's law), K = the largest room steps for all rows at once."""
+        rooms = [self._draft_room(i, s) for i, s in enumerate(self._active)]
+        num_steps = max(rooms)
+        if not num_steps:
+            return [[] for _ in rooms]
+        draft_cache, vocab = self._caches[self._num_target :], self.model.args.vocab_size
+        # Room for the whole round now: a window may only drop columns before it begins
+        # (the rollback goes back to its start).
+        make_room(draft_cache, num_steps + 1)
+        token, steps = mx.array(fed, dtype=mx.uint32), []
+        for _ in range(num_steps):
+            logits = self.draft_model(self._draft_ids(token)[:, None], cache=draft_cache)[:, -1, :vocab]
+            token = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            steps.append(token)
+        self._full_drafts = mx.stack(steps, axis=1)  # (B, K): the draft fed all but the last
+        drafted = self._full_drafts.tolist()
+        return [d[:room] for d, room in zip(drafted, rooms)]
+
+    def _settle_draft(self, kept: List[int], drafts: List[List[int]]) -> None:
+        """The draft fed each row its token and K - 1 drafts; keep what the target kept
+        (a row that kept all K drafts first gets the last one fed)."""
+        num_fed = self._full_drafts.shape[1]
+        draft_cache = self._caches[self._num_target :]
+        if max(kept) > num_fed:
+            self.draft_model(self._draft_ids(self._full_drafts[:, -1:]), cache=draft_cache)
+            num_fed += 1
+        trim_rows(draft_cache, [num_fed - k for k in kept])
 
     def _speculative_step(self, fed: List[int], drafts: List[List[int]]) -> List[Response]:
         """Feed every row its token and drafts (padded to the longest) in one forward;
         each row accepts drafts by its own rule (_decide) and forgets the rest."""
         num_columns = 1 + max(len(d) for d in drafts)
         rows = [[fed[i]] + d + [fed[i]] * (num_columns - 1 - len(d)) for i, d in enumerate(drafts)]
-        make_room(self._caches, num_columns)
-        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._caches)  # (B, K + 1, V)
+        make_room(self._caches[: self._num_target], num_columns)
+        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._caches[: self._num_target])  # (B, K+1, V)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1): the greedy rows' targets
         responses, finished, trims, tokens, next_logprobs = [], [], [], [], []
@@ -420,7 +500,9 @@ class BatchGenerator:
                 s.lookup.extend(drafts[i][:num_accepted])
             trims.append(num_columns - kept)
             s.num_in_cache += kept
-        trim_rows(self._caches, trims)
+        trim_rows(self._caches[: self._num_target], trims)
+        if self.draft_model is not None:
+            self._settle_draft([num_columns - t for t in trims], drafts)
         self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
         self._retire(finished, responses)
@@ -432,7 +514,7 @@ class BatchGenerator:
         greedy rows keep the drafts the argmax agrees with; sampling rows speculative
         sampling (a CategoricalSampler; a draft is a point mass) or token matching (any
         other sampler); rows with processors do not speculate (a plain step)."""
-        if s.lookup is None:
+        if not s.speculates:
             if s.history is not None and self._emit[i]:
                 s.history = mx.concatenate([s.history, self._tokens[i : i + 1]])
             token, token_logprobs = self._sample_row(s, logits[i : i + 1, 0])

@@ -365,3 +365,45 @@ def test_prompt_lookup_needs_layers_that_record():
             BatchGenerator(model, prompt_lookup=True)
     finally:
         model.__class__ = Plain.__bases__[0]
+
+
+def perturbed(name, noise=0.1):
+    """The target with noise on its weights: a draft that agrees with it part of the time."""
+    model_class, args_class = get_model_classes(CONFIGS[name])
+    draft = model_class(args_class.from_dict(CONFIGS[name]))
+    mx.random.seed(11)
+    draft.update(tree_unflatten([(k, v + noise * mx.random.normal(v.shape))
+                                 for k, v in tree_flatten(tiny_model(name).parameters())]))
+    mx.eval(draft.parameters())
+    return draft
+
+
+@pytest.mark.parametrize("name, draft_of", [("qwen3", "qwen3"), ("mistral_sliding", "mistral_sliding"),
+                                            ("gpt_oss", "gpt_oss"), ("qwen3_next", "qwen3"), ("lfm2", "qwen3")])
+def test_draft_model_in_the_batch_equals_solo(name, draft_of, monkeypatch):
+    monkeypatch.setattr(_AlignedKV, "step", 8)
+    model, draft = tiny_model(name), perturbed(draft_of)
+    lengths, budgets = [14, 5, 22, 9], [12, 16, 7, 14]
+    prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
+    solo_caches = [make_prompt_cache(model) for _ in prompts]
+    answers = [solo(model, p, b, prefill_step_size=6, prompt_cache=c) for p, b, c in zip(prompts, budgets, solo_caches)]
+    generator = BatchGenerator(model, completion_batch_size=3, prefill_step_size=6, draft_model=draft,
+                               num_draft_tokens=3, return_prompt_caches=True)
+    out, caches = generate_all(generator, prompts, budgets)
+    stats = generator.stats()
+    assert stats.draft_tokens > 0 and (stats.accepted_tokens > 0 or draft_of != name)
+    num_target = len(solo_caches[0])
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        assert out[i] == a, (name, i)
+        assert_same_caches(caches[i][:num_target], solo_caches[i])
+        # The draft's half holds the same tokens: it continues like a fresh feed of them.
+        fresh = make_prompt_cache(draft)
+        draft(mx.array(p + a)[None], cache=fresh)
+        assert_same_caches(caches[i][num_target:], fresh)
+
+
+def test_draft_model_must_batch_its_caches():
+    with pytest.raises(ValueError, match="attention caches only"):
+        BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3_next"))
+    with pytest.raises(ValueError, match="not both"):
+        BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3"), prompt_lookup=True)
