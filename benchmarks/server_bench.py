@@ -41,7 +41,6 @@ import argparse
 import http.client
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -395,7 +394,8 @@ def report_engine(label: str, args, rows: List[dict]) -> None:
         "|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['n']} | {r['solo']:.1f} | {r['batched']:.1f} | {r['batched'] / r['solo']:.2f}x | {r['same']} |")
+        ratio = r["batched"] / r["solo"]
+        lines.append(f"| {r['n']} | {r['solo']:.1f} | {r['batched']:.1f} | {ratio:.2f}x | {r['same']} |")
     lines += ["", machine()]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "batch_engine.md").write_text("\n".join(lines + [""]))

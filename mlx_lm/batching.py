@@ -32,7 +32,7 @@ from a solo run only by the rounding of batched matrix products.
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import mlx.core as mx
@@ -131,7 +131,8 @@ def check_rollback(model: nn.Module) -> None:
     """Speculating rows roll back every cache entry: recurrent states only through
     their layers' records (`supports_speculative_rollback`)."""
     layers_record = getattr(type(model), "supports_speculative_rollback", False)
-    blocked = sorted({type(c).__name__ for c in make_prompt_cache(model) if c.needs_layer_records and not layers_record})
+    entries = make_prompt_cache(model)
+    blocked = sorted({type(c).__name__ for c in entries if c.needs_layer_records and not layers_record})
     if blocked:
         raise ValueError(f"prompt_lookup needs every cache of {type(model).__module__} to roll back, but "
                          f"{', '.join(blocked)} entries cannot: its layers do not record rollbacks")
@@ -312,8 +313,10 @@ class BatchGenerator:
         return self.next()[1]
 
     def _admit(self) -> None:
-        while self._queued and len(self._prefilling) + len(self._ready) + len(self._active) < self.completion_batch_size:
+        admitted = len(self._prefilling) + len(self._ready) + len(self._active)
+        while self._queued and admitted < self.completion_batch_size:
             self._prefilling.append(self._queued.popleft())
+            admitted += 1
 
     def _prefill_some(self) -> List[PromptProgress]:
         """Prefill admitted prompts in generate_step's chunks until about

@@ -11,7 +11,9 @@ from checkpoints import TINY_CONFIGS
 from mlx_lm import batching
 from mlx_lm.batching import BatchGenerator, batch_generate
 from mlx_lm.generate import generate_step
-from mlx_lm.models.batch_cache import _AlignedKV, BatchKVCache, BatchRotatingKVCache, make_room, merge_caches, extract_caches
+from mlx_lm.models.batch_cache import (
+    _AlignedKV, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,
+)
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
 from mlx_lm.utils import get_model_classes
@@ -42,7 +44,8 @@ def tiny_model(name):
         model_class, args_class = get_model_classes(CONFIGS[name])
         mx.random.seed(3)
         model = model_class(args_class.from_dict(CONFIGS[name]))
-        model.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.5) for k, v in tree_flatten(model.parameters())]))
+        weights = [(k, mx.random.normal(v.shape) * 0.5) for k, v in tree_flatten(model.parameters())]
+        model.update(tree_unflatten(weights))
         mx.eval(model.parameters())
         _MODELS[name] = model
     return _MODELS[name]
@@ -182,7 +185,8 @@ def test_batch_kv_cache_layout_and_mask():
     mask = batch.make_mask(2)
     # Row 0: padding columns 0, 1 hidden; query 0 (column 5) sees 2..5, query 1 sees 2..6.
     assert mask.shape == (2, 1, 2, 7)
-    assert mask[0, 0].tolist() == [[False, False, True, True, True, True, False], [False, False, True, True, True, True, True]]
+    F, T = False, True
+    assert mask[0, 0].tolist() == [[F, F, T, T, T, T, F], [F, F, T, T, T, T, T]]
     assert mask[1, 0, 0].tolist() == [True] * 6 + [False]
     back = extract_caches([batch], 0)[0]
     assert mx.array_equal(back.state[0], rows[0].state[0]) and back.offset == 3

@@ -5,7 +5,6 @@ Driven in process step by step, then once over HTTP with concurrent clients."""
 
 from concurrent.futures import ThreadPoolExecutor
 
-import mlx.core as mx
 import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
 from server_harness import start_server

@@ -299,7 +299,9 @@ class BatchRotatingKVCache(_AlignedKV):
             raise ValueError(f"rotating caches of different sizes {sorted(sizes)} cannot share a batch")
         sinks = [c.keep for c in caches if c.keep]
         if sinks:
-            raise ValueError(f"batching does not support sink tokens (RotatingKVCache keep={sinks[0]}); drop max_kv_size")
+            raise ValueError(
+                f"batching does not support sink tokens (RotatingKVCache keep={sinks[0]}); drop max_kv_size"
+            )
         max_size = sizes.pop()
         batch = cls(None, None, None, 0, [], [], max_size=max_size)
         for c in caches:
