@@ -217,6 +217,7 @@ class BatchGenerator:
         self.speculating = prompt_lookup or draft_model is not None
         # Cache lists hold the target's entries, then (with a draft model) the draft's.
         self._num_target = len(make_prompt_cache(model))
+        self._num_draft = 0 if draft_model is None else len(make_prompt_cache(draft_model))
         self._next_uid = 0
         self._queued: Deque[_Sequence] = deque()  # inserted, not yet admitted
         self._prefilling: List[_Sequence] = []  # admitted, prompt being fed
@@ -246,7 +247,7 @@ class BatchGenerator:
         earlier tokens (the prompt is then what follows them) and those tokens
         (`cached_tokens`: logits processors and prompt lookup see them, then the prompt
         and what follows), max_tokens (-1: no limit), sampler, logits processors, seed
-        and, with prompt_lookup, a cap on drafts per round. Everything is checked before
+        and, when speculating, a cap on drafts per round. Everything is checked before
         anything is queued. Returns the uids."""
         n = len(prompts)
         per_prompt = {"max_tokens": max_tokens, "caches": caches, "samplers": samplers, "cached_tokens": cached_tokens,
@@ -256,6 +257,7 @@ class BatchGenerator:
                 raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
         if isinstance(max_tokens, int) or max_tokens is None:
             max_tokens = [self.max_tokens if max_tokens is None else max_tokens] * n
+
         def pick(values, i):
             return None if values is None else values[i]
 
@@ -277,9 +279,10 @@ class BatchGenerator:
             raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
         if cache is None:
             cache = make_prompt_cache(self.model) + (make_prompt_cache(self.draft_model) if self.draft_model else [])
-        elif len(cache) != self._num_target + (len(make_prompt_cache(self.draft_model)) if self.draft_model else 0):
-            raise ValueError(f"a cache of {len(cache)} entries does not fit this generator: give the target's "
-                             f"entries{', then the draft model' + chr(39) + 's' if self.draft_model else ''}")
+        elif len(cache) != self._num_target + self._num_draft:
+            draft = f", then the draft model's {self._num_draft}" if self.draft_model else ""
+            raise ValueError(f"a cache of {len(cache)} entries does not fit: give the target's {self._num_target} "
+                             f"entries{draft}")
         processors = self.logits_processors if processors is None else list(processors)
         seen = list(cached_tokens) + list(prompt)
         sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,

@@ -520,8 +520,10 @@ class BatchWorker(GenerationWorker):
     """Runs the served model's requests together in one BatchGenerator (continuous
     batching, at most `max_batch_size` decoding at once, admitted first come first
     served); a request for another model (--allow-other-models) runs alone, in its
-    turn, once the requests before it have finished. For servers without speculation:
-    with --draft-model or --prompt-lookup the server runs a GenerationWorker.
+    turn, once the requests before it have finished. With --prompt-lookup, requests
+    without penalties speculate inside the batch (each row drafts from its own prompt
+    and output, at most its num_draft_tokens a round); with --draft-model the server
+    runs a GenerationWorker.
 
     Per request, as the one-at-a-time worker does: its own sampler, penalties and seed
     (a seeded sample does not depend on what else is in the batch), stop strings,

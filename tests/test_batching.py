@@ -262,8 +262,9 @@ class OracleLookup:
     """Drafts from the solo answer, the k-th draft of every few rounds wrong, so rows
     accept different numbers of drafts (every per-row rollback length is exercised)."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, always_right=False):
         self.answer, self.committed, self.rounds = answer or [], -1, 0  # the first extend is the prompt's token
+        self.always_right = always_right
 
     def extend(self, tokens):
         self.committed += len(tokens)
@@ -272,7 +273,7 @@ class OracleLookup:
         self.rounds += 1
         drafts = list(self.answer[max(self.committed, 0) : max(self.committed, 0) + k])
         wrong = self.rounds % (k + 1)
-        if wrong < len(drafts):
+        if wrong < len(drafts) and not self.always_right:
             drafts[wrong] = (drafts[wrong] + 1) % 200
         return drafts
 
@@ -411,3 +412,36 @@ def test_draft_model_must_batch_its_caches():
         BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3_next"))
     with pytest.raises(ValueError, match="not both"):
         BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3"), prompt_lookup=True)
+
+
+def test_speculating_rows_stop_and_leave_with_exact_caches(monkeypatch):
+    """A stop token inside accepted drafts ends the row there; a row removed mid-flight
+    gives back a cache holding exactly the tokens it reports."""
+    model = tiny_model("qwen3_next")
+    prompts = [repetitive_prompt(n, seed) for seed, n in enumerate([9, 14, 6])]
+    answers = [solo(model, p, 16) for p in prompts]
+    oracles = {tuple(p): a for p, a in zip(prompts, answers)}
+    monkeypatch.setattr(batching, "PromptLookup",
+                        lambda n, context=(): OracleLookup(oracles.get(tuple(context)), always_right=True))
+    stop = answers[0][1]  # the second draft of the first round: accepted, then the row stops
+    assert answers[0][0] != stop
+    generator = BatchGenerator(model, max_tokens=16, stop_tokens={stop}, prompt_lookup=True, return_prompt_caches=True)
+    uids = generator.insert(prompts)
+    out, caches, steps = {u: [] for u in uids}, {}, 0
+    while len(generator):
+        for r in generator.next_generated():
+            out[r.uid].append(r.token)
+            caches[r.uid] = r.prompt_cache
+        steps += 1
+        if steps == 3 and uids[1] in generator.extract_cache([uids[1]]):
+            (removed, num_held), = generator.remove([uids[1]], return_prompt_caches=True).values()
+    for i, uid in enumerate(uids):
+        want = answers[i][: answers[i].index(stop) + 1] if stop in answers[i] else answers[i]
+        got = out[uid]
+        assert got == want[: len(got)] and (i == 1 or got == want), i
+        cache = removed if i == 1 else caches[uid]
+        if i == 1:
+            assert num_held == len(prompts[1]) + len(got)
+        fresh = make_prompt_cache(model)
+        model(mx.array(prompts[i] + got)[None], cache=fresh)  # the same tokens fed at once
+        assert_same_caches(cache, fresh)
