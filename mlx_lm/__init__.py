@@ -1,8 +1,8 @@
 """LLM inference on MLX, with exact speculative decoding on every kind of cache.
 
-The public names load, generate, stream_generate, batch_generate and convert are imported on first
-use, so `import mlx_lm` stays cheap and `python -m mlx_lm.generate` runs its module
-once (it is not imported first by the package).
+The public names load, generate, stream_generate, batch_generate and convert are
+imported on first use, so `import mlx_lm` stays cheap and `python -m mlx_lm.generate`
+runs its module once (it is not imported first by the package).
 """
 
 import logging
