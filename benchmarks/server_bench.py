@@ -258,12 +258,12 @@ def machine() -> str:
             f"at the end), MLX {mx.__version__} on {mx.default_device()}.")
 
 
-def ensure_upstream() -> Path:
+def ensure_upstream(packages: str) -> Path:
     python = VENV / "bin" / "python"
     if not python.exists():
-        print(f"creating {VENV} with upstream mlx-lm from PyPI ...", flush=True)
+        print(f"creating {VENV} with {packages} from PyPI ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "mlx[cpu]", "mlx-lm"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages.split()], check=True)
     return python
 
 
@@ -290,7 +290,7 @@ def run_clients(model: Path, args, log_dir: Path) -> dict:
     configs = {"ours batched": (["--max-batch-size", max(args.clients)], sys.executable, True),
                "ours sequential": (["--max-batch-size", 1], sys.executable, True)}
     if not args.no_upstream:
-        configs["upstream"] = ([], str(ensure_upstream()), False)
+        configs["upstream"] = ([], str(ensure_upstream(args.upstream_packages)), False)
     servers = {}
     try:
         for name, (flags, python, ours) in configs.items():
@@ -430,6 +430,8 @@ def main():
     parser.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--no-upstream", action="store_true", help="Clients mode: skip upstream mlx-lm")
+    parser.add_argument("--upstream-packages", default="mlx[cpu] mlx-lm",
+                        help="Clients mode: what the upstream venv installs (e.g. 'mlx[cuda12] mlx-lm' on a GPU)")
     parser.add_argument("--prompt-lookup", action="store_true", help="Engine mode: speculate inside the batch")
     args = parser.parse_args()
     if args.mode == "engine":
