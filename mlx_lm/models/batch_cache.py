@@ -7,14 +7,19 @@ keeps some rows and `extract_caches` gives one row back as ordinary caches. The 
 see the same contract as unbatched: `offset` (here a (B,) array of each row's position,
 which `mx.fast.rope` takes per row), `update_and_fetch`, `make_mask`, `cache[i]`.
 
-KV layout: right-aligned. Row b holds its tokens in columns [pads[b], width) of a
-(B, H_kv, capacity, D) buffer, so every row writes its next token at column `width` and
-one slice update serves the batch; the columns before pads[b] are padding, hidden by the
-mask. A sliding window keeps only the newest columns (at least `max_size`, dropped in
-blocks so that copies are rare); the mask cuts each query's window.
+KV layout: right-aligned. Every row writes its next token at the same column `width`
+of a (B, H_kv, capacity, D) buffer, so one slice update serves the batch; `positions`
+(B, capacity) says which position each column holds, NO_TOKEN for none (left padding
+of a shorter row, or a rejected draft). Masks come from positions alone: a query at
+position p sees the columns holding positions <= p (within its window). So a row rolls
+back its last n tokens by marking its last n columns NO_TOKEN (`trim_rows`), whatever
+the other rows do; the holes are squeezed out once they are half the columns. A sliding
+window drops the leading columns no query will see. Both happen in `make_room`, which
+the generator calls before each forward, never between a mask and its update.
 
-Recurrent state (`BatchArraysCache`) is simply each row's arrays stacked: a batched
-forward gives every row exactly one new token, so no padding ever enters the recurrence.
+Recurrent state (`BatchArraysCache`) is each row's arrays stacked: a decode step gives
+every row exactly one new token, so no padding ever enters the recurrence; a verify
+forward is rolled back per row from the layers' records (replay of each row's prefix).
 """
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
