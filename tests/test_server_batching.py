@@ -181,9 +181,10 @@ def test_max_batch_size_flag():
     assert setup_arg_parser().parse_args(["--model", "m", "--max-batch-size", "1"]).max_batch_size == 1
 
 
-def test_http_concurrent_clients(model_dirs, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--prompt-lookup"]])
+def test_http_concurrent_clients(model_dirs, tmp_path, flags):
     server = start_server("batched", model_dirs["dense"], tmp_path / "server.log",
-                          flags=["--max-tokens", str(MAX_TOKENS), "--max-batch-size", "4"]).wait_ready()
+                          flags=["--max-tokens", str(MAX_TOKENS), "--max-batch-size", "4", *flags]).wait_ready()
     try:
         served = worker_for(model_dirs, "dense").provider.default
         prompts = [user(f"Client number {i} asks a question.") for i in range(6)]
