@@ -14,7 +14,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.batch_cache import (
     _AlignedKV, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,
 )
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache, maybe_quantize_kv_cache,
+)
 from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
 from mlx_lm.utils import get_model_classes
 
@@ -35,15 +37,18 @@ CONFIGS = {
     "qwen3_next": TINY_CONFIGS["qwen3_next"],  # GDN recurrent + conv state
     "lfm2": LFM2_CONFIG,  # short-conv state
 }
+# Heads of 32: KV quantizable in groups of 32.
+MODEL_CONFIGS = dict(CONFIGS, quantizable=dict(TINY_CONFIGS["qwen3"], num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=32))
 _MODELS = {}
 
 
 def tiny_model(name):
     """Random weights large enough that greedy choices are clear (as write_checkpoint)."""
     if name not in _MODELS:
-        model_class, args_class = get_model_classes(CONFIGS[name])
+        model_class, args_class = get_model_classes(MODEL_CONFIGS[name])
         mx.random.seed(3)
-        model = model_class(args_class.from_dict(CONFIGS[name]))
+        model = model_class(args_class.from_dict(MODEL_CONFIGS[name]))
         weights = [(k, mx.random.normal(v.shape) * 0.5) for k, v in tree_flatten(model.parameters())]
         model.update(tree_unflatten(weights))
         mx.eval(model.parameters())
@@ -232,8 +237,8 @@ def test_batch_rotating_cache_keeps_each_window():
 
 
 def test_unbatchable_cache_is_refused_by_name():
-    with pytest.raises(ValueError, match="QuantizedKVCache"):
-        merge_caches([[QuantizedKVCache()]])
+    with pytest.raises(ValueError, match="KVCache, QuantizedKVCache"):
+        merge_caches([[KVCache()], [QuantizedKVCache()]])
     with pytest.raises(ValueError, match="max_tokens"):
         BatchGenerator(tiny_model("qwen3")).insert([[1, 2]], max_tokens=0)
 
@@ -445,3 +450,24 @@ def test_speculating_rows_stop_and_leave_with_exact_caches(monkeypatch):
         fresh = make_prompt_cache(model)
         model(mx.array(prompts[i] + got)[None], cache=fresh)  # the same tokens fed at once
         assert_same_caches(cache, fresh)
+
+
+def test_quantized_kv_rows_batch_and_equal_solo():
+    """Rows whose prompt caches are 8-bit quantized (groups of 32) decode together as
+    they do alone with kv_bits (new tokens quantized as they arrive)."""
+    model = tiny_model("quantizable")
+    prompts = [prompt(n, 50 + n) for n in (7, 12, 4)]
+
+    def quantized_cache(p):
+        cache = make_prompt_cache(model)
+        model(mx.array(p[:-1])[None], cache=cache)
+        maybe_quantize_kv_cache(cache, 0, 32, 8)
+        assert all(isinstance(c, QuantizedKVCache) for c in cache)
+        return cache
+
+    answers = [solo(model, p[-1:], 9, prompt_cache=quantized_cache(p), kv_bits=8, kv_group_size=32) for p in prompts]
+    generator = BatchGenerator(model, completion_batch_size=2, return_prompt_caches=True)
+    out, caches = generate_all(generator, [p[-1:] for p in prompts], 9, caches=[quantized_cache(p) for p in prompts])
+    assert out == answers
+    for p, a, cache in zip(prompts, answers, caches):
+        assert isinstance(cache[0], QuantizedKVCache) and cache[0].offset == len(p) + len(a)

@@ -17,6 +17,9 @@ the other rows do; the holes are squeezed out once they are half the columns. A 
 window drops the leading columns no query will see. Both happen in `make_room`, which
 the generator calls before each forward, never between a mask and its update.
 
+Quantized KV rows (`BatchQuantizedKVCache`) use the same layout with a (packed,
+scales, biases) triple of buffers for each of keys and values.
+
 Recurrent state (`BatchArraysCache`) is each row's arrays stacked: a decode step gives
 every row exactly one new token, so no padding ever enters the recurrence; a verify
 forward is rolled back per row from the layers' records (replay of each row's prefix).
@@ -26,7 +29,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from .cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 
 NO_TOKEN = -1  # the position of a column that holds no token (padding, a rejected draft)
@@ -49,27 +52,45 @@ def _placed(array: mx.array, width: int, capacity: int, axis: int, fill) -> mx.a
 class _AlignedKV:
     """Shared machinery of the right-aligned KV layouts (see the module docstring).
 
-    keys/values: (B, H_kv, capacity, D) or None while no row holds a token; `positions`
-    (B, capacity) int32: the position of the token in each column, NO_TOKEN for none;
+    buffers: (B, H_kv, capacity, d) arrays, the keys' then the values' (one each, or a
+    quantized cache's packed/scales/biases triples), None while no row holds a token;
+    `positions` (B, capacity) int32: the position of the token in each column, NO_TOKEN for none;
     `width`: columns in use; `lengths`: per-row positions (the tokens each row has
     seen, which for a sliding window exceeds what it holds); `num_invalid`: per row,
     columns before `width` that hold no token."""
 
     step = 256
 
-    def __init__(self, keys: Optional[mx.array], values: Optional[mx.array], positions: Optional[mx.array],
-                 width: int, lengths: List[int], num_invalid: List[int]):
-        self.keys, self.values, self.positions, self.width = keys, values, positions, width
+    def __init__(self, buffers: Optional[List[mx.array]], positions: Optional[mx.array], width: int,
+                 lengths: List[int], num_invalid: List[int]):
+        self.buffers, self.positions, self.width = buffers, positions, width
         self.lengths, self.num_invalid = list(lengths), list(num_invalid)
         self.offset = mx.array(self.lengths, dtype=mx.int32)  # (B,) rope positions
 
     @classmethod
-    def _from_rows(cls, keys: Optional[mx.array], values: Optional[mx.array], first_position: int, length: int,
+    def _from_rows(cls, buffers: Optional[List[mx.array]], first_position: int, length: int,
                    **kwargs) -> "_AlignedKV":
-        """One row holding (1, H, n, D) keys/values of positions first_position.. (n may be 0)."""
-        n = 0 if keys is None else keys.shape[2]
-        positions = None if keys is None else mx.arange(first_position, first_position + n, dtype=mx.int32)[None]
-        return cls(keys, values, positions, n, [length], [0], **kwargs)
+        """One row holding (1, H, n, d) buffers of positions first_position.. (None: n = 0)."""
+        n = 0 if buffers is None else buffers[0].shape[2]
+        positions = None if buffers is None else mx.arange(first_position, first_position + n, dtype=mx.int32)[None]
+        return cls(buffers, positions, n, [length], [0], **kwargs)
+
+    def _split(self, keys: mx.array, values: mx.array) -> List[mx.array]:
+        """New (B, H_kv, N, D) keys and values as buffer rows."""
+        return [keys, values]
+
+    def _fetch(self, end: int):
+        """What update_and_fetch returns: the first `end` columns of keys and values."""
+        return self.buffers[0][..., :end, :], self.buffers[1][..., :end, :]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffers is None else self.buffers[0].shape[2]
+
+    @property
+    def state(self) -> List[mx.array]:
+        """The columns in use of every buffer (rows' padding and holes included)."""
+        return [] if self.buffers is None else [b[..., : self.width, :] for b in self.buffers]
 
     @property
     def batch_size(self) -> int:
@@ -84,35 +105,33 @@ class _AlignedKV:
 
     def _resize(self, capacity: int) -> None:
         """The columns in use, right-aligned in buffers of `capacity` columns."""
-        self.keys = _placed(self.keys[..., : self.width, :], self.width, capacity, 2, 0)
-        self.values = _placed(self.values[..., : self.width, :], self.width, capacity, 2, 0)
+        self.buffers = [_placed(b[..., : self.width, :], self.width, capacity, 2, 0) for b in self.buffers]
         self.positions = _placed(self.positions[:, : self.width], self.width, capacity, 1, NO_TOKEN)
 
     def make_room(self, num_new: int) -> None:
         """Before a forward of num_new tokens (not during one: the mask and the update
         must see the same columns), if they do not fit: drop the columns no query will
         see, and squeeze out the holes left by rejected drafts once they are half."""
-        if self.keys is None or self.width + num_new <= self.keys.shape[2]:
+        if self.buffers is None or self.width + num_new <= self.capacity:
             return
         drop = self._columns_to_drop(num_new)
         if drop:
             self._drop(drop)
-        if self.width + num_new > self.keys.shape[2] and max(self.num_invalid) * 2 >= self.width:
+        if self.width + num_new > self.capacity and max(self.num_invalid) * 2 >= self.width:
             self._compact()
 
-    def _ensure_room(self, keys: mx.array, values: mx.array) -> None:
+    def _ensure_room(self, rows: List[mx.array]) -> None:
         """Allocate, or grow in blocks of `step` columns, so the new columns fit."""
-        num_new = keys.shape[2]
-        if self.keys is None:
+        num_new = rows[0].shape[2]
+        if self.buffers is None:
             capacity = self._capacity(num_new)
-            self.keys = _placed(keys[..., :0, :], 0, capacity, 2, 0)
-            self.values = _placed(values[..., :0, :], 0, capacity, 2, 0)
-            self.positions = mx.full((keys.shape[0], capacity), NO_TOKEN, mx.int32)
-        elif self.width + num_new > self.keys.shape[2]:
+            self.buffers = [_placed(r[..., :0, :], 0, capacity, 2, 0) for r in rows]
+            self.positions = mx.full((rows[0].shape[0], capacity), NO_TOKEN, mx.int32)
+        elif self.width + num_new > self.capacity:
             self._resize(self._capacity(self.width + num_new))
 
     def _drop(self, count: int) -> None:
-        self.keys, self.values = self.keys[..., count:, :], self.values[..., count:, :]
+        self.buffers = [b[..., count:, :] for b in self.buffers]
         self.positions = self.positions[:, count:]
         self.width -= count
         self.num_invalid = (self.positions[:, : self.width] < 0).sum(axis=1).tolist()
@@ -124,11 +143,10 @@ class _AlignedKV:
         columns = mx.array([[0] * (width - len(r)) + r for r in rows], dtype=mx.int32)  # (B, width)
         real = mx.array([[False] * (width - len(r)) + [True] * len(r) for r in rows])
         gather = columns[:, None, :, None]
-        keys = mx.take_along_axis(self.keys[..., : self.width, :], gather, axis=2)
-        values = mx.take_along_axis(self.values[..., : self.width, :], gather, axis=2)
+        moved = [mx.take_along_axis(b[..., : self.width, :], gather, axis=2) for b in self.buffers]
         positions = mx.where(real, mx.take_along_axis(self.positions[:, : self.width], columns, axis=1), NO_TOKEN)
-        capacity = self.keys.shape[2]
-        self.keys, self.values = _placed(keys, width, capacity, 2, 0), _placed(values, width, capacity, 2, 0)
+        capacity = self.capacity
+        self.buffers = [_placed(b, width, capacity, 2, 0) for b in moved]
         self.positions = _placed(positions, width, capacity, 1, NO_TOKEN)
         self.width, self.num_invalid = width, [width - len(r) for r in rows]
 
@@ -136,15 +154,16 @@ class _AlignedKV:
         """Append (B, H_kv, N, D) keys/values at column `width` for every row; return the
         (B, H_kv, width, D) columns in use."""
         num_new = keys.shape[2]
-        self._ensure_room(keys, values)
+        rows = self._split(keys, values)
+        self._ensure_room(rows)
         start, end = self.width, self.width + num_new
-        self.keys[..., start:end, :] = keys
-        self.values[..., start:end, :] = values
+        for buffer, row in zip(self.buffers, rows):
+            buffer[..., start:end, :] = row
         self.positions[:, start:end] = self.offset[:, None] + mx.arange(num_new, dtype=mx.int32)
         self.width = end
         self.lengths = [n + num_new for n in self.lengths]
         self.offset = self.offset + num_new
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self._fetch(end)
 
     def _window(self, window_size: Optional[int]) -> Optional[int]:
         return window_size
@@ -191,45 +210,48 @@ class _AlignedKV:
         at = mx.array(list(indices), dtype=mx.int32)
         lengths = [self.lengths[i] for i in indices]
         num_invalid = [self.num_invalid[i] for i in indices]
-        if self.keys is None:
-            return None, None, None, 0, lengths, num_invalid
-        keys, values = mx.take(self.keys, at, axis=0), mx.take(self.values, at, axis=0)
+        if self.buffers is None:
+            return None, None, 0, lengths, num_invalid
         positions = mx.take(self.positions, at, axis=0)
         leading = mx.argmax(positions[:, : self.width] >= 0, axis=1).tolist() if self.width else [0]
         drop = min(leading)  # columns no kept row holds a token in: gone
-        keys, values, positions = keys[..., drop:, :], values[..., drop:, :], positions[:, drop:]
-        return keys, values, positions, self.width - drop, lengths, [i - drop for i in num_invalid]
+        buffers = [mx.take(b, at, axis=0)[..., drop:, :] for b in self.buffers]
+        return buffers, positions[:, drop:], self.width - drop, lengths, [i - drop for i in num_invalid]
 
     def _joined(self, other: "_AlignedKV"):
-        """keys, values, positions, width, lengths, num_invalid of self's rows then other's."""
+        """buffers, positions, width, lengths, num_invalid of self's rows then other's."""
         lengths = self.lengths + other.lengths
-        if self.keys is None and other.keys is None:
-            return None, None, None, 0, lengths, self.num_invalid + other.num_invalid
+        if self.buffers is None and other.buffers is None:
+            return None, None, 0, lengths, self.num_invalid + other.num_invalid
         width = max(self.width, other.width)
         capacity = self._capacity(width + 1)
-        some = self if self.keys is not None else other
+        some = self if self.buffers is not None else other
+        likes = some.buffers + [some.positions]
         joined = []
-        for name, axis, fill in (("keys", 2, 0), ("values", 2, 0), ("positions", 1, NO_TOKEN)):
+        for j, like in enumerate(likes):
+            axis, fill = (1, NO_TOKEN) if j == len(likes) - 1 else (2, 0)
             parts = []
             for c in (self, other):
-                if c.keys is None:  # rows holding nothing yet
-                    shape = list(getattr(some, name).shape)
+                if c.buffers is None:  # rows holding nothing yet
+                    shape = list(like.shape)
                     shape[0], shape[axis] = c.batch_size, width
-                    parts.append(mx.full(shape, fill, getattr(some, name).dtype))
+                    parts.append(mx.full(shape, fill, like.dtype))
                 else:
-                    used = getattr(c, name)[:, :, : c.width] if axis == 2 else getattr(c, name)[:, : c.width]
+                    own = (c.buffers + [c.positions])[j]
+                    used = own[:, :, : c.width] if axis == 2 else own[:, : c.width]
                     parts.append(_placed(used, width, width, axis, fill))
             joined.append(_placed(mx.concatenate(parts), width, capacity, axis, fill))
         num_invalid = [i + width - c.width for c in (self, other) for i in c.num_invalid]
-        return (*joined, width, lengths, num_invalid)
+        return joined[:-1], joined[-1], width, lengths, num_invalid
 
     def _row_columns(self, index: int) -> List[int]:
         """The columns of row `index` that hold tokens, oldest first."""
         return [c for c, p in enumerate(self.positions[index, : self.width].tolist()) if p >= 0]
 
-    def _row(self, buffer: mx.array, index: int, columns: List[int]) -> mx.array:
-        """Row `index`'s `columns` as a new (1, H, n, D) array."""
-        return mx.take(buffer[index : index + 1], mx.array(columns, dtype=mx.int32), axis=2)
+    def _row(self, index: int, columns: List[int]) -> List[mx.array]:
+        """Row `index`'s `columns` of every buffer, as new (1, H, n, d) arrays."""
+        at = mx.array(columns, dtype=mx.int32)
+        return [mx.take(b[index : index + 1], at, axis=2) for b in self.buffers]
 
     def is_trimmable(self) -> bool:
         return True
@@ -244,11 +266,11 @@ class _AlignedKV:
         return self.width
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.buffers is None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.buffers is None else sum(b.nbytes for b in self.buffers)
 
 
 class BatchKVCache(_AlignedKV):
@@ -256,10 +278,9 @@ class BatchKVCache(_AlignedKV):
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
-        batch = cls(None, None, None, 0, [], [])
+        batch = cls(None, None, 0, [], [])
         for c in caches:
-            keys, values = c.state if c.offset else (None, None)
-            batch = batch.extend(cls._from_rows(keys, values, 0, c.offset))
+            batch = batch.extend(cls._from_rows(list(c.state) if c.offset else None, 0, c.offset))
         return batch
 
     def extend(self, other: "BatchKVCache") -> "BatchKVCache":
@@ -270,9 +291,9 @@ class BatchKVCache(_AlignedKV):
 
     def extract(self, index: int) -> KVCache:
         cache = KVCache()
-        columns = [] if self.keys is None else self._row_columns(index)
+        columns = [] if self.buffers is None else self._row_columns(index)
         if columns:
-            cache.state = (self._row(self.keys, index, columns), self._row(self.values, index, columns))
+            cache.state = tuple(self._row(index, columns))
         return cache
 
 
@@ -280,9 +301,8 @@ class BatchRotatingKVCache(_AlignedKV):
     """RotatingKVCache rows (sliding windows, no sink tokens) side by side: the newest
     columns right-aligned, each query masked to its window of `max_size` tokens."""
 
-    def __init__(self, keys, values, positions, width: int, lengths: List[int], num_invalid: List[int],
-                 max_size: int):
-        super().__init__(keys, values, positions, width, lengths, num_invalid)
+    def __init__(self, buffers, positions, width: int, lengths: List[int], num_invalid: List[int], max_size: int):
+        super().__init__(buffers, positions, width, lengths, num_invalid)
         self.max_size = max_size
 
     def _window(self, window_size: Optional[int]) -> int:
@@ -308,12 +328,11 @@ class BatchRotatingKVCache(_AlignedKV):
                 f"batching does not support sink tokens (RotatingKVCache keep={sinks[0]}); drop max_kv_size"
             )
         max_size = sizes.pop()
-        batch = cls(None, None, None, 0, [], [], max_size=max_size)
+        batch = cls(None, None, 0, [], [], max_size=max_size)
         for c in caches:
             held = c.size()
-            keys = c._temporal_order(c.keys) if held else None
-            values = c._temporal_order(c.values) if held else None
-            batch = batch.extend(cls._from_rows(keys, values, c.offset - held, c.offset, max_size=max_size))
+            rows = [c._temporal_order(c.keys), c._temporal_order(c.values)] if held else None
+            batch = batch.extend(cls._from_rows(rows, c.offset - held, c.offset, max_size=max_size))
         return batch
 
     def extend(self, other: "BatchRotatingKVCache") -> "BatchRotatingKVCache":
@@ -327,12 +346,63 @@ class BatchRotatingKVCache(_AlignedKV):
     def extract(self, index: int) -> RotatingKVCache:
         """The row as a RotatingKVCache holding its newest tokens in temporal order
         (the write index past them: the next write overwrites the oldest)."""
-        columns = [] if self.keys is None else self._row_columns(index)[-self.max_size :]
+        columns = [] if self.buffers is None else self._row_columns(index)[-self.max_size :]
         if not columns:
             return RotatingKVCache(self.max_size)
-        state = (self._row(self.keys, index, columns), self._row(self.values, index, columns))
+        state = tuple(self._row(index, columns))
         meta = tuple(map(str, (0, self.max_size, self.lengths[index], len(columns))))
         return RotatingKVCache.from_state(state, meta)
+
+
+class BatchQuantizedKVCache(_AlignedKV, QuantizedKVCache):
+    """QuantizedKVCache rows side by side: keys and values each a (packed, scales,
+    biases) triple of right-aligned buffers, quantized as they arrive (each token row
+    on its own, as a QuantizedKVCache does); attention reads them with quantized
+    matmuls (base.scaled_dot_product_attention dispatches on QuantizedKVCache)."""
+
+    def __init__(self, buffers, positions, width: int, lengths: List[int], num_invalid: List[int],
+                 group_size: int, bits: int):
+        _AlignedKV.__init__(self, buffers, positions, width, lengths, num_invalid)
+        self.group_size, self.bits = group_size, bits
+
+    def _split(self, keys: mx.array, values: mx.array) -> List[mx.array]:
+        return [*self._quantize(keys), *self._quantize(values)]
+
+    def _fetch(self, end: int):
+        used = [b[..., :end, :] for b in self.buffers]
+        return tuple(used[:3]), tuple(used[3:])
+
+    def _settings(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits}
+
+    @classmethod
+    def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQuantizedKVCache":
+        settings = {(c.group_size, c.bits) for c in caches}
+        if len(settings) > 1:
+            raise ValueError(f"quantized caches of different (group_size, bits) {sorted(settings)} cannot share a batch")
+        group_size, bits = settings.pop()
+        batch = cls(None, None, 0, [], [], group_size=group_size, bits=bits)
+        for c in caches:
+            rows = [*c.state[0], *c.state[1]] if c.offset else None
+            batch = batch.extend(cls._from_rows(rows, 0, c.offset, group_size=group_size, bits=bits))
+        return batch
+
+    def extend(self, other: "BatchQuantizedKVCache") -> "BatchQuantizedKVCache":
+        if (other.group_size, other.bits) != (self.group_size, self.bits):
+            raise ValueError(f"quantized caches of bits {self.bits} and {other.bits} (group sizes {self.group_size}, "
+                             f"{other.group_size}) cannot share a batch")
+        return BatchQuantizedKVCache(*self._joined(other), **self._settings())
+
+    def filter(self, indices: Sequence[int]) -> "BatchQuantizedKVCache":
+        return BatchQuantizedKVCache(*self._take_rows(indices), **self._settings())
+
+    def extract(self, index: int) -> QuantizedKVCache:
+        cache = QuantizedKVCache(self.group_size, self.bits)
+        columns = [] if self.buffers is None else self._row_columns(index)
+        if columns:
+            parts = self._row(index, columns)
+            cache.state = (tuple(parts[:3]), tuple(parts[3:]))
+        return cache
 
 
 class BatchArraysCache(ArraysCache):
@@ -452,11 +522,12 @@ class BatchCacheList(CacheList):
             c.make_room(num_new)
 
 
-# Which batched class holds rows of each cache class (exact types: a QuantizedKVCache
-# or any other kind cannot be batched).
+# Which batched class holds rows of each cache class (exact types: any other kind
+# cannot be batched).
 BATCH_CLASSES = {
     KVCache: BatchKVCache,
     RotatingKVCache: BatchRotatingKVCache,
+    QuantizedKVCache: BatchQuantizedKVCache,
     ArraysCache: BatchArraysCache,
     CacheList: BatchCacheList,
 }
@@ -467,13 +538,17 @@ def batch_class(entry: Any):
     if cls is None:
         raise ValueError(
             f"{type(entry).__name__} entries cannot be batched; batchable kinds: "
-            f"{', '.join(c.__name__ for c in BATCH_CLASSES)} (drop kv_bits for batching)"
+            f"{', '.join(c.__name__ for c in BATCH_CLASSES)}"
         )
     return cls
 
 
 def merge_entry(entries: Sequence[Any]) -> Any:
     """One layer's entries of several rows (ordinary caches) as one batched entry."""
+    kinds = sorted({type(e).__name__ for e in entries})
+    if len(kinds) > 1:
+        raise ValueError(f"one layer's rows hold different cache kinds ({', '.join(kinds)}); a batch needs one "
+                         "kind per layer (e.g. every row's KV quantized, or none)")
     return batch_class(entries[0]).merge(entries)
 
 
