@@ -38,7 +38,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import PromptLookup, ids_within, point_masses, prefill, speculative_sample
+from .drafters import PromptLookup, ids_within, point_masses, speculative_sample
 from .models.batch_cache import (
     extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
@@ -345,12 +345,13 @@ class BatchGenerator:
         return progress
 
     def _prefill_chunk(self, s: _Sequence, tokens: mx.array) -> None:
-        """Feed all of `tokens` but the last to the sequence's caches (the draft's too)."""
-        no_progress = lambda done, total: None  # noqa: E731
-        prefill(self.model, tokens, s.cache[: self._num_target], self.prefill_step_size, no_progress)
+        """Feed all of `tokens` but the last (one of generate_step's chunks) to the
+        sequence's caches, the draft's too. Unlike drafters.prefill it keeps MLX's
+        buffer cache: the batch decoding meanwhile reuses those buffers."""
+        self.model(tokens[None, :-1], cache=s.cache[: self._num_target])
         if self.draft_model is not None:
-            prefill(self.draft_model, self._draft_ids(tokens), s.cache[self._num_target :], self.prefill_step_size,
-                    no_progress)
+            self.draft_model(self._draft_ids(tokens)[None, :-1], cache=s.cache[self._num_target :])
+        mx.eval([c.state for c in s.cache])
 
     def _draft_ids(self, tokens: mx.array) -> mx.array:
         """Ids beyond the draft's table fed as 0 (as speculative decoding feeds them)."""
