@@ -122,9 +122,12 @@ class _Sequence:
     lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
     num_draft_tokens: int = 0  # its cap on drafts per round
     speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
+    misses: int = 0  # rounds in a row whose drafts were all rejected
+    skip_rounds: int = 0  # rounds left without drafting
 
 
 GREEDY = make_sampler()  # rows with this sampler speculate by token matching
+MAX_BACK_OFF = 16  # rounds a row with rejected drafts skips drafting, at most
 
 
 def check_rollback(model: nn.Module) -> None:
@@ -446,13 +449,25 @@ class BatchGenerator:
         return drafts
 
     def _draft_room(self, i: int, s: _Sequence) -> int:
-        """How many drafts row i may verify this round."""
+        """How many drafts row i may verify this round: none while it backs off (after
+        rounds whose drafts were all rejected), else its cap within max_tokens."""
         if not s.speculates:
+            return 0
+        if s.skip_rounds:
+            s.skip_rounds -= 1
             return 0
         room = s.num_draft_tokens
         if s.max_tokens != -1:
             room = min(room, s.max_tokens - s.num_generated - self._emit[i])
         return max(room, 0)
+
+    @staticmethod
+    def _back_off(s: _Sequence, num_accepted: int) -> None:
+        """After n rounds in a row with every draft rejected, skip the next 2^(n-1)
+        rounds (at most MAX_BACK_OFF): a wasted verify costs a wider forward. Which
+        rounds draft never changes what a row emits (greedy) or its law (sampling)."""
+        s.misses = 0 if num_accepted else s.misses + 1
+        s.skip_rounds = min(1 << (s.misses - 1), MAX_BACK_OFF) if s.misses else 0
 
     def _model_drafts(self, fed: List[int]) -> List[List[int]]:
         """The draft model's greedy continuation of every row (a point mass, so sampling
@@ -498,6 +513,8 @@ class BatchGenerator:
             num_accepted, token, token_logprobs = self._decide(i, s, drafts[i], logits, logprobs, greedy[i])
             self._stats.draft_tokens += len(drafts[i])
             self._stats.accepted_tokens += num_accepted
+            if drafts[i]:
+                self._back_off(s, num_accepted)
             tokens.append(token)
             next_logprobs.append(token_logprobs)
             kept, done = self._commit(i, s, fed[i], drafts[i][:num_accepted], logprobs, responses)

@@ -377,7 +377,7 @@ def test_prompt_lookup_needs_layers_that_record():
         model.__class__ = Plain.__bases__[0]
 
 
-def perturbed(name, noise=0.1):
+def perturbed(name, noise=0.03):
     """The target with noise on its weights: a draft that agrees with it part of the time."""
     model_class, args_class = get_model_classes(CONFIGS[name])
     draft = model_class(args_class.from_dict(CONFIGS[name]))
@@ -471,3 +471,15 @@ def test_quantized_kv_rows_batch_and_equal_solo():
     assert out == answers
     for p, a, cache in zip(prompts, answers, caches):
         assert isinstance(cache[0], QuantizedKVCache) and cache[0].offset == len(p) + len(a)
+
+
+def test_rows_whose_drafts_keep_failing_back_off(monkeypatch):
+    model = tiny_model("qwen3")
+    p = prompt(5, 31)
+    want = solo(model, p, 30)
+    never = next(t for t in range(1, 200) if t not in want)
+    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(never))
+    generator = BatchGenerator(model, max_tokens=30, prompt_lookup=True, num_draft_tokens=3)
+    assert generate_all(generator, [p], 30)[0][0] == want
+    # Rounds 1, 3, 6, 11, 20 draft (each miss doubles the rounds skipped); not all 30.
+    assert generator.stats().accepted_tokens == 0 and generator.stats().draft_tokens == 5
