@@ -32,7 +32,7 @@ from a solo run only by the rounding of batched matrix products.
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import mlx.core as mx
@@ -91,17 +91,37 @@ class PromptProgress:
 
 
 @dataclass
+class RowSpeculation:
+    """A speculating sequence's counts so far: drafts verified and accepted, target
+    forwards it took part in, and rounds per draft length (index k; 0: a plain step)."""
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_target_forwards: int = 0
+    draft_lengths: List[int] = field(default_factory=list)
+
+    def add_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.num_target_forwards += 1
+        self.draft_lengths += [0] * (num_drafted + 1 - len(self.draft_lengths))
+        self.draft_lengths[num_drafted] += 1
+
+
+@dataclass
 class Response:
     """One generated token of sequence `uid`; `logprobs` (V,) is the distribution it was
     sampled from. `finish_reason`: "stop" (a stop token, reported as the token), "length"
     (max_tokens reached) or None. `prompt_cache`: on the last response, when the generator
-    returns caches, the sequence's caches (its prompt and every token it generated)."""
+    returns caches, the sequence's caches (its prompt and every token it generated).
+    `speculation`: a speculating sequence's counts so far."""
 
     uid: int
     token: int
     logprobs: mx.array
     finish_reason: Optional[str] = None
     prompt_cache: Optional[List[Any]] = None
+    speculation: Optional[RowSpeculation] = None
 
 
 @dataclass
@@ -122,6 +142,7 @@ class _Sequence:
     lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
     num_draft_tokens: int = 0  # its cap on drafts per round
     speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
+    speculation: Optional[RowSpeculation] = None  # its counts, when it speculates
     misses: int = 0  # rounds in a row whose drafts were all rejected
     skip_rounds: int = 0  # rounds left without drafting
 
@@ -292,6 +313,7 @@ class BatchGenerator:
                              total=tokens.size, history=mx.array(seen, dtype=mx.uint32) if processors else None,
                              num_draft_tokens=num_draft_tokens)
         sequence.speculates = self.speculating and not processors
+        sequence.speculation = RowSpeculation() if sequence.speculates else None
         if self.prompt_lookup and not processors:
             sequence.lookup = PromptLookup(self.max_ngram_size, context=seen)
         self._next_uid += 1
@@ -399,6 +421,8 @@ class BatchGenerator:
         fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
         for i, s in enumerate(self._active):
             s.num_in_cache += 1
+            if s.speculation is not None:
+                s.speculation.add_round(0, 0)
             if s.history is not None and emit[i]:
                 s.history = mx.concatenate([s.history, fed[i : i + 1]])
         make_room(self._caches, 1)
@@ -421,7 +445,7 @@ class BatchGenerator:
         s.num_generated += 1
         self._stats.generation_tokens += 1
         reason = "stop" if token in self.stop_tokens else "length" if s.num_generated == s.max_tokens else None
-        responses.append(Response(s.uid, token, logprobs, reason))
+        responses.append(Response(s.uid, token, logprobs, reason, speculation=s.speculation))
         return reason is not None
 
     def _retire(self, rows: List[int], responses: List[Response]) -> None:
@@ -513,6 +537,8 @@ class BatchGenerator:
             num_accepted, token, token_logprobs = self._decide(i, s, drafts[i], logits, logprobs, greedy[i])
             self._stats.draft_tokens += len(drafts[i])
             self._stats.accepted_tokens += num_accepted
+            if s.speculation is not None:
+                s.speculation.add_round(len(drafts[i]), num_accepted)
             if drafts[i]:
                 self._back_off(s, num_accepted)
             tokens.append(token)

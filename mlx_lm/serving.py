@@ -50,9 +50,11 @@ from typing import Any, Callable, Dict, Generator, List, Optional
 
 import mlx.core as mx
 
-from .batching import BatchGenerator, PromptProgress, Response
+from .batching import BatchGenerator, PromptProgress, Response, RowSpeculation
 from .drafters import PromptLookup, ids_within, prefill
-from .generate import GenerationResponse, check_can_speculate, check_same_tokenizer, stream_generate
+from .generate import (
+    GenerationResponse, SpeculationStats, check_can_speculate, check_same_tokenizer, stream_generate,
+)
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from .openai_api import (
@@ -63,7 +65,7 @@ from .openai_api import (
     StopStringFilter,
     TokenLogprob,
 )
-from .sample_utils import make_logits_processors, make_sampler
+from .sample_utils import CategoricalSampler, make_logits_processors, make_sampler
 
 log = logging.getLogger("mlx_lm.server")
 
@@ -514,6 +516,8 @@ class _Stream:
         self.text = ""
         self.logprobs: List[TokenLogprob] = []
         self.first_token_at: Optional[float] = None
+        self.speculation: Optional[RowSpeculation] = None  # the batch's counts, when it speculates
+        self.acceptance_rule = "token matching"
 
 
 class BatchWorker(GenerationWorker):
@@ -597,6 +601,8 @@ class BatchWorker(GenerationWorker):
             seeds=[request.seed % (1 << 64) if seeded else None], num_draft_tokens=[request.num_draft_tokens],
         )[0]
         self.streams[uid] = _Stream(job, served, tokens, fetched.num_cached)
+        if isinstance(sampler, CategoricalSampler):
+            self.streams[uid].acceptance_rule = "speculative sampling"
 
     def step(self) -> None:
         """One batch step; its tokens go out to their requests; cancelled ones leave."""
@@ -629,6 +635,7 @@ class BatchWorker(GenerationWorker):
         request = stream.job.request
         stream.generated.append(response.token)
         stream.first_token_at = stream.first_token_at or time.perf_counter()
+        stream.speculation = response.speculation
         if response.finish_reason != "stop":
             stream.detokenizer.add_token(response.token)
         if response.finish_reason is not None:
@@ -665,9 +672,17 @@ class BatchWorker(GenerationWorker):
         if stream.job.cancelled.is_set():
             log.info("Client disconnected; stopped after %d generated tokens", len(stream.generated))
         result = GenerationResult(stream.text, finish_reason or "stop", len(stream.tokens), stream.num_cached,
-                                  len(stream.generated), None, stream.logprobs)
+                                  len(stream.generated), self._speculation_stats(stream), stream.logprobs)
         seconds = time.perf_counter() - (stream.first_token_at or time.perf_counter())
         log.info("%s: %d prompt tokens (%d cached), %d generated at %.1f tokens/s (batch of %d)",
                  stream.served.name, result.prompt_tokens, stream.num_cached, len(stream.generated),
                  len(stream.generated) / seconds if seconds > 0 else 0.0, len(self.streams) + 1)
         stream.job.events.put(("done", result))
+
+    @staticmethod
+    def _speculation_stats(stream: _Stream) -> Optional[SpeculationStats]:
+        spec = stream.speculation
+        if spec is None:
+            return None
+        return SpeculationStats(spec.num_drafted, spec.num_accepted, spec.num_target_forwards,
+                                stream.acceptance_rule, list(spec.draft_lengths))

@@ -100,8 +100,13 @@ def test_prompt_lookup_speculates_inside_the_batch(model_dirs, name):
     bodies[1]["stream"] = True
     events = drive(worker, bodies)
     for body, got in zip(bodies, events):
-        assert result(got).text == reference(served, body["messages"]), (name, body)
+        answer = result(got)
+        assert answer.text == reference(served, body["messages"]), (name, body)
+        spec = answer.speculation  # per request, as the one-at-a-time worker reports it
+        assert spec.num_target_forwards == sum(spec.draft_lengths)
+        assert len(spec.draft_lengths) <= 1 + body["num_draft_tokens"]  # the request's cap
     assert worker.generator.stats().draft_tokens > 0
+    assert sum(result(e).speculation.num_drafted for e in events) > 0
 
 
 def test_stop_string_and_cancel_leave_the_others_alone(model_dirs):
