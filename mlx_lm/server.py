@@ -452,8 +452,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Refuse longer prompts (default: the model's context, max_position_embeddings)")
     parser.add_argument("--prefill-step-size", type=positive_int, default=2048, help="Prompt tokens per prefill forward")
     parser.add_argument("--max-batch-size", type=positive_int, default=8,
-                        help="Requests decoded together (continuous batching; 1: one at a time). Servers with "
-                             "--draft-model serve one request at a time")
+                        help="Requests decoded together (continuous batching, speculating inside the batch with "
+                             "--prompt-lookup; 1: one at a time). Servers with --draft-model serve one at a time")
     parser.add_argument("--allowed-origins", default="",
                         help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
                              "server, or '*' for any; requests from other pages (they carry an Origin header) "
@@ -528,7 +528,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(f"Error: {e}")
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
-    if args.draft_model is None and args.max_batch_size > 1:
+    # A draft model speculates one request at a time here (BatchWorker could batch an
+    # attention-only draft, see serving.can_batch; issue 17 keeps that path for now).
+    if args.max_batch_size > 1 and args.draft_model is None:
         try:
             server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size,
                                         args.num_draft_tokens, args.prompt_lookup, args.max_ngram_size)

@@ -1,13 +1,15 @@
 """What `mlx_lm.server` serves: the loaded models (ServedModel, ModelProvider) and the
-one worker thread that runs every MLX computation (GenerationWorker). No HTTP here.
+one worker thread that runs every MLX computation (BatchWorker or GenerationWorker). No HTTP here.
 
 Serving. The model (and `--draft-model`) is loaded once. Request handler threads
 parse, validate and tokenize (tokenizing needs no MLX); every MLX computation runs on
-one worker thread that takes jobs from a queue. Without speculation that worker is a
-BatchWorker: concurrent requests decode together in one BatchGenerator (continuous
-batching, `--max-batch-size` at once, speculating with `--prompt-lookup`), each
-greedy answer the one it gets alone. With `--draft-model` (or `--max-batch-size 1`)
-it is a GenerationWorker, which serves one request at a time.
+one worker thread that takes jobs from a queue. That worker is a BatchWorker:
+concurrent requests decode together in one BatchGenerator (continuous batching,
+`--max-batch-size` at once, speculating inside the batch with `--prompt-lookup`),
+each greedy answer the one it gets alone. With `--max-batch-size 1` or a
+`--draft-model` it is a GenerationWorker, which serves one request at a time (a
+BatchWorker can batch an attention-only draft, see `can_batch`; the server does not
+use that yet).
 
 Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
 with a 400 on the handler thread, before any model work; a text too long to fit even
@@ -505,6 +507,13 @@ class GenerationWorker:
         return TokenLogprob(decode([response.token]), row[response.token].item(), top)
 
 
+def can_batch(served: ServedModel) -> bool:
+    """Whether a BatchWorker can serve this model: any target, and a draft model whose
+    caches are all attention caches (a recurrent draft speculates one request at a time)."""
+    draft = served.draft_model
+    return draft is None or not any(c.needs_layer_records for c in make_prompt_cache(draft))
+
+
 class _Stream:
     """A request in the batch: its prompt, what it has produced, how its text goes out."""
 
@@ -512,7 +521,10 @@ class _Stream:
         self.job, self.served, self.tokens, self.num_cached = job, served, tokens, num_cached
         self.detokenizer = served.tokenizer.detokenizer
         self.stops = StopStringFilter(job.request.stop)
-        self.generated: List[int] = []
+        self.generated: List[int] = []  # the tokens the client gets
+        self.emitted: List[int] = []  # every token the batch reported (beyond a stop string too)
+        self.finish_reason: Optional[str] = None  # set once it is done
+        self.final_cache: Optional[List[Any]] = None  # the batch's caches, when it retired the row
         self.text = ""
         self.logprobs: List[TokenLogprob] = []
         self.first_token_at: Optional[float] = None
@@ -524,10 +536,10 @@ class BatchWorker(GenerationWorker):
     """Runs the served model's requests together in one BatchGenerator (continuous
     batching, at most `max_batch_size` decoding at once, admitted first come first
     served); a request for another model (--allow-other-models) runs alone, in its
-    turn, once the requests before it have finished. With --prompt-lookup, requests
-    without penalties speculate inside the batch (each row drafts from its own prompt
-    and output, at most its num_draft_tokens a round); with --draft-model the server
-    runs a GenerationWorker.
+    turn, once the requests before it have finished. With --prompt-lookup or a
+    --draft-model (attention caches only, see `can_batch`), requests without penalties
+    speculate inside the batch (each row drafts, at most its num_draft_tokens a round,
+    one forward verifies all rows, each keeps its own accepted prefix).
 
     Per request, as the one-at-a-time worker does: its own sampler, penalties and seed
     (a seeded sample does not depend on what else is in the batch), stop strings,
@@ -551,6 +563,7 @@ class BatchWorker(GenerationWorker):
             served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
             prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
             num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
+            draft_model=served.draft_model,
         )
 
     def run_forever(self) -> None:
@@ -587,7 +600,7 @@ class BatchWorker(GenerationWorker):
 
     def _start(self, job: Job) -> None:
         request, served = job.request, self.provider.default
-        if request.num_draft_tokens is not None and not self.prompt_lookup:
+        if request.num_draft_tokens is not None and not self.generator.speculating:
             raise RequestError(400, "num_draft_tokens needs a server started with --draft-model or --prompt-lookup")
         tokens = job.tokens
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
@@ -617,10 +630,11 @@ class BatchWorker(GenerationWorker):
             return
         for event in progress:
             self._prefilled(event)
-        for response in responses:
+        for response in responses:  # a speculating row may report several tokens a step
             self._deliver(response)
-        for uid in [uid for uid, s in self.streams.items() if s.job.cancelled.is_set()]:
-            self._finish(uid, None)
+        for uid in [uid for uid, s in self.streams.items() if s.finish_reason or s.job.cancelled.is_set()]:
+            stream = self.streams[uid]
+            self._finish(uid, stream.finish_reason, stream.final_cache)
 
     def _prefilled(self, event: PromptProgress) -> None:
         stream = self.streams[event.uid]
@@ -632,6 +646,9 @@ class BatchWorker(GenerationWorker):
 
     def _deliver(self, response: Response) -> None:
         stream = self.streams[response.uid]
+        stream.emitted.append(response.token)
+        if stream.finish_reason is not None:  # past its stop string: in its cache, not in its answer
+            return
         request = stream.job.request
         stream.generated.append(response.token)
         stream.first_token_at = stream.first_token_at or time.perf_counter()
@@ -652,13 +669,13 @@ class BatchWorker(GenerationWorker):
         if request.stream and (delta or entries):
             stream.job.events.put(("delta", delta, entries))
         if finish_reason is not None:
-            self._finish(response.uid, finish_reason, response.prompt_cache)
+            stream.finish_reason, stream.final_cache = finish_reason, response.prompt_cache
 
     def _finish(self, uid: int, finish_reason: Optional[str], prompt_cache: Optional[List[Any]] = None) -> None:
         """Retire request `uid` (the batch already retired it when `prompt_cache` is
         given) and store its cache under exactly the tokens it holds."""
         stream = self.streams.pop(uid)
-        sequence = stream.tokens + stream.generated
+        sequence = stream.tokens + stream.emitted
         num_held = len(sequence)
         if prompt_cache is None:
             prompt_cache, num_fed = self.generator.remove([uid], return_prompt_caches=True)[uid]

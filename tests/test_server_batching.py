@@ -5,6 +5,7 @@ Driven in process step by step, then once over HTTP with concurrent clients."""
 
 from concurrent.futures import ThreadPoolExecutor
 
+import mlx.core as mx
 import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
 from server_harness import start_server
@@ -12,7 +13,7 @@ from server_harness import start_server
 from mlx_lm.generate import generate
 from mlx_lm.openai_api import ServerDefaults, parse_request
 from mlx_lm.server import setup_arg_parser
-from mlx_lm.serving import BatchWorker, ModelProvider
+from mlx_lm.serving import BatchWorker, ModelProvider, can_batch
 
 MAX_TOKENS = 10
 QUESTIONS = ["Hi.", "Client number one asks a rather longer question than the others do.", "What now?",
@@ -86,27 +87,44 @@ def test_concurrent_greedy_answers_equal_solo(model_dirs, name):
     events = drive(worker, bodies)  # 5 requests, 3 at a time: later ones join as others finish
     for body, got in zip(bodies, events):
         answer = result(got)
-        assert answer.text == reference(served, body["messages"]), (name, body)
+        want = reference(served, body["messages"])
+        assert answer.text == (want[: want.index(body["stop"])] if "stop" in body else want), (name, body)
         if body["stream"]:
             assert "".join(e[1] for e in got if e[0] == "delta") == answer.text
+
+
+def continues_like_a_fresh_feed(served, key, prompt_cache):
+    """One more token through a stored cache gives the logits of feeding key + it afresh."""
+    probe = mx.array([[7]])
+    got = served.model(probe, cache=prompt_cache)[0, -1]
+    want = served.model(mx.array([list(key) + [7]]))[0, -1]
+    return mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
 
 
 @pytest.mark.parametrize("name", ["dense", "hybrid"])
 def test_prompt_lookup_speculates_inside_the_batch(model_dirs, name):
     worker = worker_for(model_dirs, name, prompt_lookup=True)
     served = worker.provider.default
+    served.prompt_cache = type(served.prompt_cache)(10)
     questions = [q + " " + q for q in QUESTIONS]  # something to look up
     bodies = [{"messages": user(q), "num_draft_tokens": 1 + i % 3} for i, q in enumerate(questions)]
     bodies[1]["stream"] = True
+    full = reference(served, bodies[3]["messages"])
+    bodies[3]["stop"] = full[3:5]  # a stop string inside accepted drafts leaves the rest out of the answer
     events = drive(worker, bodies)
     for body, got in zip(bodies, events):
         answer = result(got)
-        assert answer.text == reference(served, body["messages"]), (name, body)
+        want = reference(served, body["messages"])
+        assert answer.text == (want[: want.index(body["stop"])] if "stop" in body else want), (name, body)
         spec = answer.speculation  # per request, as the one-at-a-time worker reports it
         assert spec.num_target_forwards == sum(spec.draft_lengths)
         assert len(spec.draft_lengths) <= 1 + body["num_draft_tokens"]  # the request's cap
     assert worker.generator.stats().draft_tokens > 0
     assert sum(result(e).speculation.num_drafted for e in events) > 0
+    # Every stored cache holds exactly the tokens of its key (past a stop string too).
+    for key in served.prompt_cache.keys():
+        fetched = served.prompt_cache.fetch(list(key) + [1])
+        assert fetched.num_cached == len(key) and continues_like_a_fresh_feed(served, key, fetched.prompt_cache)
 
 
 def test_stop_string_and_cancel_leave_the_others_alone(model_dirs):
@@ -227,3 +245,56 @@ def test_worker_fails_fast_and_stays_up(model_dirs, monkeypatch):
     assert events[0][-1][:2] == ("error", 500) and "disk on fire" in events[0][-1][2]
     monkeypatch.undo()
     assert result(drive(worker, [{"messages": user("Hi.")}])[0]).text == reference(served, user("Hi."))
+
+
+class RightLookup:
+    """Drafts the solo answer: every draft accepted, several tokens a step."""
+
+    def __init__(self, answer):
+        self.answer, self.committed = answer or [], -1  # the first extend is the prompt's last token
+
+    def extend(self, tokens):
+        self.committed += len(tokens)
+
+    def lookup(self, k):
+        start = max(self.committed, 0)
+        return self.answer[start : start + k]
+
+
+def test_stop_string_inside_a_speculated_step(model_dirs, monkeypatch):
+    from mlx_lm import batching
+    from mlx_lm.generate import generate_step
+
+    worker = worker_for(model_dirs, "dense", prompt_lookup=True)
+    served = worker.provider.default
+    served.prompt_cache = type(served.prompt_cache)(10)
+    messages = user("Stop me in the middle.")
+    tokens = worker.provider.make_job(parse_request({"messages": messages}, "chat", ServerDefaults())).tokens
+    answer = [t for t, _ in generate_step(mx.array(tokens), served.model, max_tokens=MAX_TOKENS)]
+    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): RightLookup(
+        answer if list(context) == tokens else None))
+    full = reference(served, messages)
+    stop = served.tokenizer.decode(answer[1:2])  # reported with the draft after it, in one step
+    got = result(drive(worker, [{"messages": messages, "stop": stop, "num_draft_tokens": 3}])[0])
+    assert got.text == full[: full.index(stop)] and got.finish_reason == "stop"
+    (key,) = [k for k in served.prompt_cache.keys() if len(k) > len(tokens)]
+    assert len(key) > len(tokens) + got.completion_tokens  # the drafts past the stop string are in the cache
+    fetched = served.prompt_cache.fetch(list(key) + [1])
+    assert fetched.num_cached == len(key) and continues_like_a_fresh_feed(served, key, fetched.prompt_cache)
+
+
+def test_draft_model_speculates_inside_the_batch(model_dirs, tmp_path):
+    draft_dir = write_checkpoint(tmp_path / "draft", TINY_CONFIGS["qwen3"], scale=0.45)  # agrees about half the time
+    provider = ModelProvider(str(model_dirs["dense"]), str(draft_dir), False, 10, 1 << 40, None)
+    assert can_batch(provider.default)
+    worker = BatchWorker(provider, prefill_step_size=8, max_batch_size=3)
+    served = provider.default
+    bodies = [{"messages": user(q), "stream": i == 1} for i, q in enumerate(QUESTIONS)]
+    for body, got in zip(bodies, drive(worker, bodies)):
+        answer = result(got)
+        assert answer.text == reference(served, body["messages"])
+        assert answer.speculation.num_target_forwards >= 1
+    assert worker.generator.stats().accepted_tokens > 0
+    # A recurrent draft rolls back only one request at a time: that server keeps the old worker.
+    recurrent = ModelProvider(str(model_dirs["dense"]), str(model_dirs["hybrid"]), False, 10, 1 << 40, None)
+    assert not can_batch(recurrent.default)
