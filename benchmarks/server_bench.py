@@ -1,7 +1,25 @@
-"""Second turn of a multi-turn chat through `mlx_lm.server`: prompt-cache reuse vs none.
+"""`mlx_lm.server` benchmarks: the second turn of a chat with prompt-cache reuse vs none
+(`--mode reuse`, the default), throughput with many concurrent clients (`--mode clients`),
+and the batch engine alone, in process (`--mode engine`).
 
     python benchmarks/server_bench.py [--model DIR] [--draft-model DIR] [--turn1-tokens 1500]
                                       [--max-tokens 32] [--conversations 3]
+    python benchmarks/server_bench.py --mode clients [--clients 1,2,4,8,16,32] [--max-tokens 48]
+                                      [--requests-per-client 2] [--model DIR] [--no-upstream]
+
+Clients mode: N clients each send --requests-per-client greedy completions, one after
+the other, all clients at once; aggregate tokens/s = completion tokens of all requests /
+wall time. Servers: ours batched (`--max-batch-size 32`), ours sequential
+(`--max-batch-size 1`, the one-at-a-time worker) and upstream mlx-lm's server (installed
+from PyPI into benchmarks/.venv-upstream on first use, run outside this checkout), all on
+the same checkpoint: by default a qwen3 of hidden 256 and 6 layers with random weights
+and the test suite's 512-token tokenizer. Writes results/server_clients.md and .png.
+
+Engine mode: the same N prompts through one BatchGenerator vs one generate_step after
+the other (no HTTP), tokens/s of each and whether every greedy answer is the same;
+with --prompt-lookup the batch speculates too. Writes results/batch_engine.md.
+
+Reuse mode:
 
 For each of N conversations, turn 1 sends a long user message (about --turn1-tokens
 tokens); turn 2 sends turn 1, the assistant's answer and a short new question. Two
@@ -22,15 +40,24 @@ used with --draft-model. Writes results/server_bench.md and results/server_bench
 import argparse
 import http.client
 import json
-import re
+import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import List
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
+VENV = Path(__file__).parent / ".venv-upstream"
+DENSE = dict(
+    model_type="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+    tie_word_embeddings=True, max_position_embeddings=4096,
+)
 DEMO_TARGET = ROOT / "examples" / "models" / "qwen3-next-stdlib"
 STAND_IN = dict(
     model_type="qwen3_next", vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
@@ -48,11 +75,11 @@ SENTENCES = [
 ]
 
 
-def write_stand_in(directory: Path) -> Path:
+def write_stand_in(directory: Path, config: dict = STAND_IN) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from checkpoints import write_checkpoint
 
-    return write_checkpoint(directory, STAND_IN, scale=0.1)
+    return write_checkpoint(directory, config, scale=0.1)
 
 
 def long_message(conversation: int, num_tokens: int) -> str:
@@ -66,28 +93,55 @@ def long_message(conversation: int, num_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class Server:
-    def __init__(self, model: Path, draft: Path, cache_size: int, log_path: Path):
-        command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", "0",
-                   "--prompt-cache-size", str(cache_size)]
-        if draft is not None:
-            command += ["--draft-model", str(draft)]
-        self.log_path = log_path
+    """`python -m mlx_lm.server FLAGS` on a free port, ours (this checkout, by PYTHONPATH)
+    or upstream's (`python` of its venv, run outside the checkout); ready once /health answers."""
+
+    def __init__(self, flags, log_path: Path, python: str = sys.executable, ours: bool = True):
+        port = free_port()
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        if ours:
+            env["PYTHONPATH"] = str(ROOT)
+        command = [python, "-m", "mlx_lm.server", *map(str, flags), "--port", str(port)]
+        self.log_path, self.address = log_path, ("127.0.0.1", port)
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(command, stderr=log, stdout=subprocess.DEVNULL)
+            self.process = subprocess.Popen(command, stderr=log, stdout=subprocess.DEVNULL, env=env,
+                                            cwd=tempfile.gettempdir())
         deadline = time.time() + 300
-        while True:
-            match = re.search(r"on http://([\d.]+):(\d+)", log_path.read_text())
-            if match:
-                self.address = (match.group(1), int(match.group(2)))
-                break
+        while not self._healthy():
             if self.process.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"server did not start:\n{log_path.read_text()}")
             time.sleep(0.2)
 
+    def _healthy(self) -> bool:
+        try:
+            connection = http.client.HTTPConnection(*self.address, timeout=2)
+            connection.request("GET", "/health")
+            return connection.getresponse().status == 200
+        except OSError:
+            return False
+
     def stop(self):
         self.process.terminate()
         self.process.wait(timeout=30)
+
+    def complete(self, prompt: str, max_tokens: int) -> int:
+        """One greedy text completion; returns its completion tokens."""
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        connection = http.client.HTTPConnection(*self.address, timeout=600)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        reply = json.loads(connection.getresponse().read())
+        connection.close()
+        if "usage" not in reply:
+            raise SystemExit(f"server error: {reply}")
+        return reply["usage"]["completion_tokens"]
 
     def chat(self, messages, max_tokens):
         """Stream one greedy chat completion: (text, usage, ttft_s, decode_tok_s)."""
@@ -118,7 +172,8 @@ class Server:
 
 
 def run_mode(model, draft, cache_size, args, log_dir):
-    server = Server(model, draft, cache_size, log_dir / f"server_cache{cache_size}.log")
+    flags = ["--model", model, "--prompt-cache-size", cache_size] + (["--draft-model", draft] if draft else [])
+    server = Server(flags, log_dir / f"server_cache{cache_size}.log")
     rows = []
     try:
         server.chat([{"role": "user", "content": "warm up"}], 4)
@@ -186,14 +241,215 @@ def report(model_label, args, results):
     fig.savefig(RESULTS / "server_bench.png", dpi=120)
 
 
+# ---------------------------------------------------------------------------
+# Clients mode: aggregate throughput of N concurrent clients.
+
+
+def machine() -> str:
+    """Where the numbers come from: on a small shared CPU a forward of B rows costs about
+    B times one, so batching gains little there; it pays where a forward is mostly fixed
+    cost (a GPU running a small model)."""
+    import platform
+
+    import mlx.core as mx
+
+    load = os.getloadavg()[0]
+    return (f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs (load average {load:.1f} "
+            f"at the end), MLX {mx.__version__} on {mx.default_device()}.")
+
+
+def ensure_upstream(packages: str) -> Path:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        print(f"creating {VENV} with {packages} from PyPI ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages.split()], check=True)
+    return python
+
+
+def client_prompt(client: int, request: int) -> str:
+    # Mixed lengths: one to four sentences, different for every request.
+    count = 1 + (client + request) % 4
+    return " ".join(SENTENCES[(client * 3 + request + i) % len(SENTENCES)] for i in range(count))
+
+
+def aggregate_tps(server: Server, num_clients: int, args) -> float:
+    """Completion tokens per second of all clients together, each sending its requests in turn."""
+    def client(i: int) -> int:
+        return sum(server.complete(client_prompt(i, r), args.max_tokens) for r in range(args.requests_per_client))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(num_clients) as pool:
+        tokens = sum(pool.map(client, range(num_clients)))
+    return tokens / (time.perf_counter() - start)
+
+
+def run_clients(model: Path, args, log_dir: Path) -> dict:
+    """All servers up at once, measured in turn at each client count (so a change in
+    the machine's load hits them alike)."""
+    configs = {"ours batched": (["--max-batch-size", max(args.clients)], sys.executable, True),
+               "ours sequential": (["--max-batch-size", 1], sys.executable, True)}
+    if not args.no_upstream:
+        configs["upstream"] = ([], str(ensure_upstream(args.upstream_packages)), False)
+    servers = {}
+    try:
+        for name, (flags, python, ours) in configs.items():
+            flags = ["--model", model, "--max-tokens", args.max_tokens, "--prompt-cache-size", 0, *flags]
+            servers[name] = Server(flags, log_dir / f"{name.replace(' ', '_')}.log", python, ours)
+            servers[name].complete("warm up", 4)
+        results = {name: {} for name in servers}
+        for n in args.clients:
+            for name, server in servers.items():
+                results[name][n] = aggregate_tps(server, n, args)
+            print(n, {name: round(r[n], 1) for name, r in results.items()}, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return results
+
+
+def report_clients(label: str, args, results: dict) -> None:
+    names = list(results)
+    sequential_1 = results["ours sequential"][args.clients[0]]
+    lines = [
+        "# Server: aggregate throughput with concurrent clients",
+        "",
+        f"{label}; greedy, {args.max_tokens} tokens a request, {args.requests_per_client} requests per client, "
+        "over HTTP (non-streaming), no prompt cache.",
+        "",
+        "| clients | " + " | ".join(f"{n} tok/s" for n in names) + " | batched / sequential"
+        + (" | batched / upstream |" if "upstream" in results else " |"),
+        "|---:|" + "---:|" * (len(names) + 1 + ("upstream" in results)),
+    ]
+    for n in args.clients:
+        batched = results["ours batched"][n]
+        row = f"| {n} | " + " | ".join(f"{results[k][n]:.1f}" for k in names)
+        row += f" | {batched / results['ours sequential'][n]:.2f}x"
+        if "upstream" in results:
+            row += f" | {batched / results['upstream'][n]:.2f}x"
+        lines.append(row + " |")
+    lines += ["", f"Ours batched at each client count / ours sequential with {args.clients[0]} client(s): "
+              + ", ".join(f"{n}: {results['ours batched'][n] / sequential_1:.2f}x" for n in args.clients),
+              "", machine(), ""]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "server_clients.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for name in names:
+        ax.plot(args.clients, [results[name][n] for n in args.clients], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(args.clients, [str(n) for n in args.clients])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title(label, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "server_clients.png", dpi=120)
+
+
+# ---------------------------------------------------------------------------
+# Engine mode: BatchGenerator vs generate_step in process.
+
+
+def run_engine(model_dir: Path, args) -> List[dict]:
+    import mlx.core as mx
+
+    from mlx_lm.batching import BatchGenerator
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(model_dir))
+
+    def sequential(prompts):
+        return [[t for t, _ in generate_step(mx.array(p), model, max_tokens=args.max_tokens)] for p in prompts]
+
+    def batched(prompts):
+        generator = BatchGenerator(model, max_tokens=args.max_tokens, completion_batch_size=len(prompts),
+                                   prompt_lookup=args.prompt_lookup)
+        uids = generator.insert(prompts)
+        out = {uid: [] for uid in uids}
+        while len(generator):
+            for r in generator.next_generated():
+                out[r.uid].append(r.token)
+        return [out[uid] for uid in uids]
+
+    def timed(run, prompts):
+        start = time.perf_counter()
+        tokens = run(prompts)
+        return sum(len(t) for t in tokens) / (time.perf_counter() - start), tokens
+
+    rows = []
+    for n in args.clients:
+        prompts = [tokenizer.encode(client_prompt(i, 0)) for i in range(n)]
+        best = {"solo": (0.0, None), "batched": (0.0, None)}
+        for _ in range(2):  # in turn, best of two: a load spike from elsewhere hits one run
+            for name, run in (("batched", batched), ("solo", sequential)):
+                best[name] = max(best[name], timed(run, prompts), key=lambda r: r[0])
+        rows.append(dict(n=n, solo=best["solo"][0], batched=best["batched"][0],
+                         same=best["solo"][1] == best["batched"][1]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def report_engine(label: str, args, rows: List[dict]) -> None:
+    lines = [
+        "# Batch engine in process: BatchGenerator vs one generate_step after the other",
+        "",
+        f"{label}; greedy, {args.max_tokens} tokens a prompt (prefill included), prompt lookup "
+        f"{'on' if args.prompt_lookup else 'off'}; best of two runs each, taken in turn.",
+        "",
+        "| prompts | sequential tok/s | batched tok/s | batched / sequential | same greedy tokens |",
+        "|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ratio = r["batched"] / r["solo"]
+        lines.append(f"| {r['n']} | {r['solo']:.1f} | {r['batched']:.1f} | {ratio:.2f}x | {r['same']} |")
+    lines += ["", machine()]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batch_engine.md").write_text("\n".join(lines + [""]))
+    print("\n".join(lines))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="Target model (default: the demo hybrid)")
-    parser.add_argument("--draft-model", type=Path, default=None, help="Draft model for speculative decoding")
+    parser.add_argument("--mode", choices=["reuse", "clients", "engine"], default="reuse")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="Target model (default: reuse, the demo hybrid; clients, a random qwen3)")
+    parser.add_argument("--draft-model", type=Path, default=None, help="Reuse mode: draft model for speculation")
     parser.add_argument("--turn1-tokens", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None, help="Tokens per answer (reuse 32, clients 48)")
     parser.add_argument("--conversations", type=int, default=3)
+    parser.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--no-upstream", action="store_true", help="Clients mode: skip upstream mlx-lm")
+    parser.add_argument("--upstream-packages", default="mlx[cpu] mlx-lm",
+                        help="Clients mode: what the upstream venv installs (e.g. 'mlx[cuda12] mlx-lm' on a GPU)")
+    parser.add_argument("--prompt-lookup", action="store_true", help="Engine mode: speculate inside the batch")
     args = parser.parse_args()
+    if args.mode == "engine":
+        args.max_tokens = args.max_tokens or 48
+        sys.path.insert(0, str(ROOT))
+        with tempfile.TemporaryDirectory() as tmp:
+            model = args.model or write_stand_in(Path(tmp) / "dense", DENSE)
+            label = str(args.model) if args.model else "qwen3 (hidden 256, 6 layers, random weights)"
+            report_engine(label, args, run_engine(model, args))
+        return
+    if args.mode == "clients":
+        args.max_tokens = args.max_tokens or 48
+        with tempfile.TemporaryDirectory() as tmp:
+            model = args.model or write_stand_in(Path(tmp) / "dense", DENSE)
+            label = str(args.model) if args.model else "qwen3 (hidden 256, 6 layers, random weights)"
+            report_clients(label, args, run_clients(model, args, Path(tmp)))
+        return
+    args.max_tokens = args.max_tokens or 32
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None and DEMO_TARGET.is_dir():

@@ -1,8 +1,8 @@
 """LLM inference on MLX, with exact speculative decoding on every kind of cache.
 
-The public names load, generate, stream_generate and convert are imported on first
-use, so `import mlx_lm` stays cheap and `python -m mlx_lm.generate` runs its module
-once (it is not imported first by the package).
+The public names load, generate, stream_generate, batch_generate and convert are
+imported on first use, so `import mlx_lm` stays cheap and `python -m mlx_lm.generate`
+runs its module once (it is not imported first by the package).
 """
 
 import logging
@@ -13,9 +13,10 @@ from importlib import import_module
 from ._version import __version__
 
 # Public name -> the module (of this package) that defines it.
-_PUBLIC = {"load": "utils", "generate": "generate", "stream_generate": "generate", "convert": "convert"}
+_PUBLIC = {"load": "utils", "generate": "generate", "stream_generate": "generate", "convert": "convert",
+           "batch_generate": "batching"}
 
-__all__ = ["__version__", "convert", "generate", "load", "stream_generate"]
+__all__ = ["__version__", "batch_generate", "convert", "generate", "load", "stream_generate"]
 
 _MISSING_MLX = (
     "mlx_lm needs MLX, which is not installed ({error}). On macOS: pip install mlx. On Linux "

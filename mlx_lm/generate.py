@@ -22,6 +22,7 @@ from .cli_args import (
     prompt_text,
     str2bool,
 )
+from .batching import BatchGenerator, BatchResponse, BatchStats, batch_generate  # noqa: F401  (upstream's home)
 from .drafters import (
     PromptLookup,
     check_generation_args,

@@ -1,10 +1,15 @@
 """What `mlx_lm.server` serves: the loaded models (ServedModel, ModelProvider) and the
-one worker thread that runs every MLX computation (GenerationWorker). No HTTP here.
+one worker thread that runs every MLX computation (BatchWorker or GenerationWorker). No HTTP here.
 
 Serving. The model (and `--draft-model`) is loaded once. Request handler threads
 parse, validate and tokenize (tokenizing needs no MLX); every MLX computation runs on
-one worker thread that takes jobs from a queue, so generation is serialised and
-responses never interleave.
+one worker thread that takes jobs from a queue. That worker is a BatchWorker:
+concurrent requests decode together in one BatchGenerator (continuous batching,
+`--max-batch-size` at once, speculating inside the batch with `--prompt-lookup`),
+each greedy answer the one it gets alone. With `--max-batch-size 1` or a
+`--draft-model` it is a GenerationWorker, which serves one request at a time (a
+BatchWorker can batch an attention-only draft, see `can_batch`; the server does not
+use that yet).
 
 Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
 with a 400 on the handler thread, before any model work; a text too long to fit even
@@ -40,13 +45,16 @@ import logging
 import os
 import queue
 import threading
+import time
+from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Generator, List, Optional
+from typing import Any, Callable, Dict, Generator, List, Optional
 
 import mlx.core as mx
 
+from .batching import BatchGenerator, PromptProgress, Response, RowSpeculation
 from .drafters import MTPHead, PromptLookup, check_mtp_head, ids_within, prefill
-from .generate import GenerationResponse, check_same_tokenizer, stream_generate
+from .generate import GenerationResponse, SpeculationStats, check_same_tokenizer, stream_generate
 from .speculative import check_can_speculate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
@@ -58,7 +66,7 @@ from .openai_api import (
     StopStringFilter,
     TokenLogprob,
 )
-from .sample_utils import make_logits_processors, make_sampler
+from .sample_utils import CategoricalSampler, make_logits_processors, make_sampler
 
 log = logging.getLogger("mlx_lm.server")
 
@@ -516,3 +524,201 @@ class GenerationWorker:
             values = row[ids].tolist()
             top = sorted(((decode([i]), v) for i, v in zip(ids.tolist(), values)), key=lambda tv: -tv[1])
         return TokenLogprob(decode([response.token]), row[response.token].item(), top)
+
+
+def can_batch(served: ServedModel) -> bool:
+    """Whether a BatchWorker can serve this model: any target, and a draft model whose
+    caches are all attention caches (a recurrent draft speculates one request at a time)."""
+    draft = served.draft_model
+    return draft is None or not any(c.needs_layer_records for c in make_prompt_cache(draft))
+
+
+class _Stream:
+    """A request in the batch: its prompt, what it has produced, how its text goes out."""
+
+    def __init__(self, job: Job, served: ServedModel, tokens: List[int], num_cached: int):
+        self.job, self.served, self.tokens, self.num_cached = job, served, tokens, num_cached
+        self.detokenizer = served.tokenizer.detokenizer
+        self.stops = StopStringFilter(job.request.stop)
+        self.generated: List[int] = []  # the tokens the client gets
+        self.emitted: List[int] = []  # every token the batch reported (beyond a stop string too)
+        self.finish_reason: Optional[str] = None  # set once it is done
+        self.final_cache: Optional[List[Any]] = None  # the batch's caches, when it retired the row
+        self.text = ""
+        self.logprobs: List[TokenLogprob] = []
+        self.first_token_at: Optional[float] = None
+        self.speculation: Optional[RowSpeculation] = None  # the batch's counts, when it speculates
+        self.acceptance_rule = "token matching"
+
+
+class BatchWorker(GenerationWorker):
+    """Runs the served model's requests together in one BatchGenerator (continuous
+    batching, at most `max_batch_size` decoding at once, admitted first come first
+    served); a request for another model (--allow-other-models) runs alone, in its
+    turn, once the requests before it have finished. With --prompt-lookup or a
+    --draft-model (attention caches only, see `can_batch`), requests without penalties
+    speculate inside the batch (each row drafts, at most its num_draft_tokens a round,
+    one forward verifies all rows, each keeps its own accepted prefix).
+
+    Per request, as the one-at-a-time worker does: its own sampler, penalties and seed
+    (a seeded sample does not depend on what else is in the batch), stop strings,
+    streaming, logprobs, and the prompt cache: fetched before it joins, stored after
+    prefill (under prompt[:-1], for caches that may not trim) and when it ends, under
+    exactly the tokens its cache holds. A cancelled request leaves the batch at the
+    next step; the others go on undisturbed."""
+
+    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, max_batch_size: int = 8,
+                 default_num_draft_tokens: int = 3, prompt_lookup: bool = False, max_ngram_size: int = 3):
+        super().__init__(provider, prefill_step_size, default_num_draft_tokens, prompt_lookup=prompt_lookup,
+                         max_ngram_size=max_ngram_size)
+        self.max_batch_size = max_batch_size
+        self.backlog: "deque[Job]" = deque()
+        self.streams: Dict[int, _Stream] = {}
+        self.generator = self._make_generator()  # a model that cannot speculate fails here, at startup
+
+    def _make_generator(self) -> BatchGenerator:
+        served = self.provider.default
+        return BatchGenerator(
+            served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
+            prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
+            num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
+            draft_model=served.draft_model,
+        )
+
+    def run_forever(self) -> None:
+        while True:
+            self._take_jobs(wait=not self.streams and not self.backlog)
+            self._admit()
+            if self.streams:
+                self.step()
+            elif self.backlog:  # another model's request, and the batch is empty
+                self.run(self.backlog.popleft())
+
+    def _take_jobs(self, wait: bool) -> None:
+        if wait:
+            self.backlog.append(self.jobs.get())
+        while True:
+            try:
+                self.backlog.append(self.jobs.get_nowait())
+            except queue.Empty:
+                return
+
+    def _admit(self) -> None:
+        while self.backlog and self.backlog[0].model_key is None:
+            job = self.backlog.popleft()
+            if job.cancelled.is_set():
+                log.info("Client disconnected while queued; request dropped")
+                continue
+            try:
+                self._start(job)
+            except RequestError as e:
+                job.events.put(("error", e.status, e.message))
+            except Exception as e:  # the server stays up; the client learns why
+                log.exception("Could not start the request")
+                job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+
+    def _start(self, job: Job) -> None:
+        request, served = job.request, self.provider.default
+        if request.num_draft_tokens is not None and not self.generator.speculating:
+            raise RequestError(400, "num_draft_tokens needs a server started with --draft-model or --prompt-lookup")
+        tokens = job.tokens
+        max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
+        sampler, processors = self._sampling(served, request)
+        fetched = served.prompt_cache.fetch(tokens)
+        seeded = request.seed is not None and request.sampling["temp"] > 0
+        # Penalties and lookups also see the part of the prompt already in the cache.
+        uid = self.generator.insert(
+            [fetched.remaining], [max_tokens], caches=[fetched.prompt_cache or served.make_cache()],
+            cached_tokens=[tokens[: fetched.num_cached]], samplers=[sampler], logits_processors=[processors],
+            seeds=[request.seed % (1 << 64) if seeded else None], num_draft_tokens=[request.num_draft_tokens],
+        )[0]
+        self.streams[uid] = _Stream(job, served, tokens, fetched.num_cached)
+        if isinstance(sampler, CategoricalSampler):
+            self.streams[uid].acceptance_rule = "speculative sampling"
+
+    def step(self) -> None:
+        """One batch step; its tokens go out to their requests; cancelled ones leave."""
+        try:
+            progress, responses = self.generator.next()
+        except Exception as e:  # the server stays up; every client in the batch learns why
+            log.exception("Batched generation failed")
+            for stream in self.streams.values():
+                stream.job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+            self.streams.clear()
+            self.generator = self._make_generator()
+            return
+        for event in progress:
+            self._prefilled(event)
+        for response in responses:  # a speculating row may report several tokens a step
+            self._deliver(response)
+        for uid in [uid for uid, s in self.streams.items() if s.finish_reason or s.job.cancelled.is_set()]:
+            stream = self.streams[uid]
+            self._finish(uid, stream.finish_reason, stream.final_cache)
+
+    def _prefilled(self, event: PromptProgress) -> None:
+        stream = self.streams[event.uid]
+        lru, tokens = stream.served.prompt_cache, stream.tokens
+        if event.prompt_cache is not None and stream.served.snapshot_prompts and tokens[:-1] not in lru:
+            lru.insert(tokens[:-1], event.prompt_cache)  # see the module docstring; the batch has its own copy
+        if stream.job.request.stream:
+            stream.job.events.put(("keepalive", stream.num_cached + event.num_fed, len(tokens)))
+
+    def _deliver(self, response: Response) -> None:
+        stream = self.streams[response.uid]
+        stream.emitted.append(response.token)
+        if stream.finish_reason is not None:  # past its stop string: in its cache, not in its answer
+            return
+        request = stream.job.request
+        stream.generated.append(response.token)
+        stream.first_token_at = stream.first_token_at or time.perf_counter()
+        stream.speculation = response.speculation
+        if response.finish_reason != "stop":
+            stream.detokenizer.add_token(response.token)
+        if response.finish_reason is not None:
+            stream.detokenizer.finalize()
+        entries = []
+        if response.finish_reason != "stop" and request.logprobs:
+            entries = [self._logprob(stream.served, response, request.top_logprobs)]
+        delta, stopped = stream.stops.add(stream.detokenizer.last_segment)
+        finish_reason = "stop" if stopped else response.finish_reason
+        if finish_reason is not None:
+            delta += stream.stops.flush()
+        stream.text += delta
+        stream.logprobs += entries
+        if request.stream and (delta or entries):
+            stream.job.events.put(("delta", delta, entries))
+        if finish_reason is not None:
+            stream.finish_reason, stream.final_cache = finish_reason, response.prompt_cache
+
+    def _finish(self, uid: int, finish_reason: Optional[str], prompt_cache: Optional[List[Any]] = None) -> None:
+        """Retire request `uid` (the batch already retired it when `prompt_cache` is
+        given) and store its cache under exactly the tokens it holds."""
+        stream = self.streams.pop(uid)
+        sequence = stream.tokens + stream.emitted
+        num_held = len(sequence)
+        if prompt_cache is None:
+            prompt_cache, num_fed = self.generator.remove([uid], return_prompt_caches=True)[uid]
+            num_held = stream.num_cached + num_fed
+        if num_held > stream.num_cached:
+            stream.served.prompt_cache.insert(sequence[:num_held], prompt_cache)
+        if num_held < len(stream.tokens):  # cancelled before its prompt was in
+            log.info("Client disconnected during prefill (%d of %d prompt tokens fed); request dropped",
+                     num_held, len(stream.tokens))
+            return
+        if stream.job.cancelled.is_set():
+            log.info("Client disconnected; stopped after %d generated tokens", len(stream.generated))
+        result = GenerationResult(stream.text, finish_reason or "stop", len(stream.tokens), stream.num_cached,
+                                  len(stream.generated), self._speculation_stats(stream), stream.logprobs)
+        seconds = time.perf_counter() - (stream.first_token_at or time.perf_counter())
+        log.info("%s: %d prompt tokens (%d cached), %d generated at %.1f tokens/s (batch of %d)",
+                 stream.served.name, result.prompt_tokens, stream.num_cached, len(stream.generated),
+                 len(stream.generated) / seconds if seconds > 0 else 0.0, len(self.streams) + 1)
+        stream.job.events.put(("done", result))
+
+    @staticmethod
+    def _speculation_stats(stream: _Stream) -> Optional[SpeculationStats]:
+        spec = stream.speculation
+        if spec is None:
+            return None
+        return SpeculationStats(spec.num_drafted, spec.num_accepted, spec.num_target_forwards,
+                                stream.acceptance_rule, list(spec.draft_lengths))

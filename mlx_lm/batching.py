@@ -1,0 +1,722 @@
+"""Continuous batching: many sequences decoded together by one model, each admitted and
+retired while the others run (`BatchGenerator`, `batch_generate`).
+
+How a sequence goes through (`BatchGenerator.next` does one step of each stage):
+1. Waiting: its prompt is prefilled alone, into ordinary caches, in the same chunks as
+   `generate_step` (so its cache is the one a solo run builds). A step prefills at most
+   about `prefill_step_size` tokens across the waiting sequences, first come first
+   served, so decoding never stalls for more than a chunk.
+2. Ready: all but the last prompt token fed. It joins the batch at the next step: its
+   caches are merged into the batched caches (`models/batch_cache.py`) and its last
+   prompt token is fed with every other row's token, in one forward.
+3. Active: each step feeds every row's latest token (B, 1) and samples the next per row
+   (each row's own sampler, logits processors and seed). The forward of step t is
+   queued before the tokens of step t - 1 are read, so the model computes while the
+   caller handles them; a token is reported once it has been fed, so the cache of a
+   finished row holds its prompt and every token it produced (as after generate_step).
+4. Finished (a stop token or max_tokens) or removed: its row leaves the batch.
+
+Speculation (`prompt_lookup=True`, or a `draft_model` whose caches are batched beside
+the target's and drafts every row greedily in K single-token steps): each row drafts
+from its own prompt and output (at most its num_draft_tokens), one forward verifies every row's
+token and drafts (padded to the longest), each row accepts by its own rule (greedy:
+the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
+so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
+columns become holes, recurrent states are replayed from the layers' records). Rows
+with logits processors decode plainly in the same forward.
+
+Greedy output of every sequence equals its solo run, whatever joins or leaves: rows do
+not see each other (per-row masks hide other rows' padding), and a row's numbers differ
+from a solo run only by the rounding of batched matrix products.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .drafters import PromptLookup, ids_within, point_masses, speculative_sample
+from .models.batch_cache import (
+    extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
+)
+from .models.cache import make_prompt_cache
+from .sample_utils import CategoricalSampler, make_sampler
+from .tokenizer_utils import TokenizerWrapper
+
+Sampler = Callable[[mx.array], mx.array]
+Processor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class BatchStats:
+    """Totals of a batch run: prompt tokens and the time spent prefilling them,
+    generated tokens and the time spent decoding; peak memory in GB."""
+
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    generation_time: float = 0.0
+    peak_memory: float = 0.0
+    draft_tokens: int = 0  # with prompt_lookup: drafts verified, and of them accepted
+    accepted_tokens: int = 0
+
+
+@dataclass
+class BatchResponse:
+    """What `batch_generate` returns: one text per prompt (in order) and the stats;
+    with the matching flags, each prompt's cache, generated token ids and logprobs."""
+
+    texts: List[str]
+    stats: BatchStats
+    caches: Optional[List[List[Any]]] = None
+    token_ids: Optional[List[List[int]]] = None
+    logprobs: Optional[List[List[mx.array]]] = None
+
+
+@dataclass
+class PromptProgress:
+    """A sequence's prefill advanced: `num_fed` of its `total` prompt tokens are in its
+    cache. When all but the last are, `prompt_cache` is that cache, which the batch no
+    longer touches (a server keeps it for prompts that extend this one)."""
+
+    uid: int
+    num_fed: int
+    total: int
+    prompt_cache: Optional[List[Any]] = None
+
+
+@dataclass
+class RowSpeculation:
+    """A speculating sequence's counts so far: drafts verified and accepted, target
+    forwards it took part in, and rounds per draft length (index k; 0: a plain step)."""
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_target_forwards: int = 0
+    draft_lengths: List[int] = field(default_factory=list)
+
+    def add_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.num_target_forwards += 1
+        self.draft_lengths += [0] * (num_drafted + 1 - len(self.draft_lengths))
+        self.draft_lengths[num_drafted] += 1
+
+
+@dataclass
+class Response:
+    """One generated token of sequence `uid`; `logprobs` (V,) is the distribution it was
+    sampled from. `finish_reason`: "stop" (a stop token, reported as the token), "length"
+    (max_tokens reached) or None. `prompt_cache`: on the last response, when the generator
+    returns caches, the sequence's caches (its prompt and every token it generated).
+    `speculation`: a speculating sequence's counts so far."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: Optional[str] = None
+    prompt_cache: Optional[List[Any]] = None
+    speculation: Optional[RowSpeculation] = None
+
+
+@dataclass
+class _Sequence:
+    uid: int
+    prompt: mx.array  # prompt tokens not yet fed (1-D)
+    cache: List[Any]  # its own caches until it joins the batch
+    max_tokens: int
+    sampler: Sampler
+    processors: List[Processor]
+    seed: Optional[int]
+    total: int  # prompt tokens to feed
+    history: Optional[mx.array] = None  # what processors see: the prompt, then each token fed
+    num_in_cache: int = 0  # tokens its cache holds (of what it was given to feed)
+    num_generated: int = 0
+    num_sampled: int = 0
+    first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
+    lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
+    num_draft_tokens: int = 0  # its cap on drafts per round
+    speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
+    speculation: Optional[RowSpeculation] = None  # its counts, when it speculates
+    misses: int = 0  # rounds in a row whose drafts were all rejected
+    skip_rounds: int = 0  # rounds left without drafting
+
+
+GREEDY = make_sampler()  # rows with this sampler speculate by token matching
+MAX_BACK_OFF = 16  # rounds a row with rejected drafts skips drafting, at most
+
+
+def check_rollback(model: nn.Module) -> None:
+    """Speculating rows roll back every cache entry: recurrent states only through
+    their layers' records (`supports_speculative_rollback`)."""
+    layers_record = getattr(type(model), "supports_speculative_rollback", False)
+    entries = make_prompt_cache(model)
+    blocked = sorted({type(c).__name__ for c in entries if c.needs_layer_records and not layers_record})
+    if blocked:
+        raise ValueError(f"prompt_lookup needs every cache of {type(model).__module__} to roll back, but "
+                         f"{', '.join(blocked)} entries cannot: its layers do not record rollbacks")
+
+
+def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
+    """How many leading drafts equal the targets."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
+def check_draft(draft_model: nn.Module) -> None:
+    """A draft in a batch rolls back by its KV columns; recurrent drafts are not batched."""
+    blocked = sorted({type(c).__name__ for c in make_prompt_cache(draft_model) if c.needs_layer_records})
+    if blocked:
+        raise ValueError(f"a draft model in a batch needs attention caches only; {type(draft_model).__module__} "
+                         f"has {', '.join(blocked)} entries (speculate with it one request at a time)")
+
+
+def _seeded_key(seed: int, step: int) -> int:
+    """The global seed a seeded row sets before its step-th draw: a function of the
+    request's seed and the step only, so its samples do not depend on its batch."""
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (1 << 64)
+
+
+class BatchGenerator:
+    """Decodes many sequences at once (continuous batching; see the module docstring).
+
+    `insert` queues prompts (token ids, optionally each with a cache already holding
+    earlier tokens, its own max_tokens, sampler, logits processors and seed) and returns
+    their uids; each `next()` does one step and returns (prompt progress, generated
+    tokens); `remove` drops sequences at any stage. At most `completion_batch_size`
+    sequences are admitted (prefilling or decoding) at once; the rest wait in order.
+    `stop_tokens` end a sequence (the stop token is reported, finish_reason "stop").
+    With `return_prompt_caches`, each finished sequence's last Response carries its caches.
+    With `prompt_lookup` or a `draft_model` (attention caches only), rows speculate
+    (module docstring); with a draft model a cache list holds the target's entries, then
+    the draft's (given to `insert`, returned by `remove` and in responses).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_tokens: int = 128,
+        stop_tokens: Optional[Set[int]] = None,
+        sampler: Optional[Sampler] = None,
+        logits_processors: Optional[List[Processor]] = None,
+        completion_batch_size: int = 32,
+        prefill_step_size: int = 2048,
+        return_prompt_caches: bool = False,
+        prompt_lookup: bool = False,
+        num_draft_tokens: int = 3,
+        max_ngram_size: int = 3,
+        draft_model: Optional[nn.Module] = None,
+    ):
+        if completion_batch_size < 1:
+            raise ValueError(f"completion_batch_size must be at least 1, got {completion_batch_size}")
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+        self.model = model
+        self.max_tokens = max_tokens
+        self.stop_tokens = set(stop_tokens or ())
+        self.sampler = sampler or make_sampler()
+        self.logits_processors = list(logits_processors or [])
+        self.completion_batch_size = completion_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.return_prompt_caches = return_prompt_caches
+        if prompt_lookup and draft_model is not None:
+            raise ValueError("give prompt_lookup=True or a draft_model, not both")
+        if prompt_lookup or draft_model is not None:
+            check_rollback(model)
+            if num_draft_tokens < 1:
+                raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
+            PromptLookup(max_ngram_size)  # checks it
+        if draft_model is not None:
+            check_draft(draft_model)
+        self.prompt_lookup, self.num_draft_tokens, self.max_ngram_size = prompt_lookup, num_draft_tokens, max_ngram_size
+        self.draft_model = draft_model
+        self.speculating = prompt_lookup or draft_model is not None
+        # Cache lists hold the target's entries, then (with a draft model) the draft's.
+        self._num_target = len(make_prompt_cache(model))
+        self._num_draft = 0 if draft_model is None else len(make_prompt_cache(draft_model))
+        self._next_uid = 0
+        self._queued: Deque[_Sequence] = deque()  # inserted, not yet admitted
+        self._prefilling: List[_Sequence] = []  # admitted, prompt being fed
+        self._ready: List[_Sequence] = []  # all but the last prompt token fed
+        self._active: List[_Sequence] = []  # in the batch, in row order
+        self._caches: Optional[List[Any]] = None  # the batched caches of _active
+        self._tokens: Optional[mx.array] = None  # (B,) each row's token to feed next
+        self._logprobs: List[Optional[mx.array]] = []  # the distribution of each
+        self._emit: List[bool] = []  # whether that token is generated (else the prompt's last)
+        self._stats = BatchStats()
+
+    # ------------------------------------------------------------------ admission
+
+    def insert(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Union[None, int, Sequence[int]] = None,
+        caches: Optional[Sequence[Optional[List[Any]]]] = None,
+        *,
+        cached_tokens: Optional[Sequence[Sequence[int]]] = None,
+        samplers: Optional[Sequence[Optional[Sampler]]] = None,
+        logits_processors: Optional[Sequence[Optional[List[Processor]]]] = None,
+        seeds: Optional[Sequence[Optional[int]]] = None,
+        num_draft_tokens: Optional[Sequence[Optional[int]]] = None,
+    ) -> List[int]:
+        """Queue `prompts` (lists of token ids); per prompt optionally a cache holding
+        earlier tokens (the prompt is then what follows them) and those tokens
+        (`cached_tokens`: logits processors and prompt lookup see them, then the prompt
+        and what follows), max_tokens (-1: no limit), sampler, logits processors, seed
+        and, when speculating, a cap on drafts per round. Everything is checked before
+        anything is queued. Returns the uids."""
+        n = len(prompts)
+        per_prompt = {"max_tokens": max_tokens, "caches": caches, "samplers": samplers, "cached_tokens": cached_tokens,
+                      "logits_processors": logits_processors, "seeds": seeds, "num_draft_tokens": num_draft_tokens}
+        for name, values in per_prompt.items():
+            if values is not None and not isinstance(values, int) and len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+        if isinstance(max_tokens, int) or max_tokens is None:
+            max_tokens = [self.max_tokens if max_tokens is None else max_tokens] * n
+
+        def pick(values, i):
+            return None if values is None else values[i]
+
+        sequences = [self._sequence(prompts[i], max_tokens[i], pick(caches, i), pick(cached_tokens, i) or (),
+                                    pick(samplers, i), pick(logits_processors, i), pick(seeds, i),
+                                    pick(num_draft_tokens, i) or self.num_draft_tokens)
+                     for i in range(n)]
+        self._queued.extend(sequences)
+        return [s.uid for s in sequences]
+
+    def _sequence(self, prompt, max_tokens, cache, cached_tokens, sampler, processors, seed,
+                  num_draft_tokens) -> _Sequence:
+        tokens = mx.array(list(prompt), dtype=mx.uint32)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"each prompt must be a non-empty list of token ids, got {list(prompt)!r}")
+        if max_tokens != -1 and max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
+        if cache is None:
+            cache = make_prompt_cache(self.model) + (make_prompt_cache(self.draft_model) if self.draft_model else [])
+        elif len(cache) != self._num_target + self._num_draft:
+            draft = f", then the draft model's {self._num_draft}" if self.draft_model else ""
+            raise ValueError(f"a cache of {len(cache)} entries does not fit: give the target's {self._num_target} "
+                             f"entries{draft}")
+        processors = self.logits_processors if processors is None else list(processors)
+        seen = list(cached_tokens) + list(prompt)
+        sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,
+                             total=tokens.size, history=mx.array(seen, dtype=mx.uint32) if processors else None,
+                             num_draft_tokens=num_draft_tokens)
+        sequence.speculates = self.speculating and not processors
+        sequence.speculation = RowSpeculation() if sequence.speculates else None
+        if self.prompt_lookup and not processors:
+            sequence.lookup = PromptLookup(self.max_ngram_size, context=seen)
+        self._next_uid += 1
+        return sequence
+
+    def __len__(self) -> int:
+        """Sequences not finished: queued, prefilling or decoding."""
+        return len(self._queued) + len(self._prefilling) + len(self._ready) + len(self._active)
+
+    # ------------------------------------------------------------------ one step
+
+    def next(self) -> Tuple[List[PromptProgress], List[Response]]:
+        """One step: prefill some waiting prompts, admit the ready ones, one batched
+        forward; returns the prompt progress made and the tokens generated."""
+        tic = time.perf_counter()
+        progress = self._prefill_some()
+        self._stats.prompt_time += time.perf_counter() - tic
+        tic = time.perf_counter()
+        responses = self._decode_step()
+        self._stats.generation_time += time.perf_counter() - tic
+        return progress, responses
+
+    def next_generated(self) -> List[Response]:
+        """One step; only the generated tokens."""
+        return self.next()[1]
+
+    def _admit(self) -> None:
+        admitted = len(self._prefilling) + len(self._ready) + len(self._active)
+        while self._queued and admitted < self.completion_batch_size:
+            self._prefilling.append(self._queued.popleft())
+            admitted += 1
+
+    def _prefill_some(self) -> List[PromptProgress]:
+        """Prefill admitted prompts in generate_step's chunks until about
+        prefill_step_size tokens went in (always whole chunks, so caches equal solo)."""
+        self._admit()
+        progress, budget = [], self.prefill_step_size
+        while self._prefilling and budget > 0:
+            s = self._prefilling[0]
+            n = min(self.prefill_step_size, s.prompt.size - 1)
+            if n > 0:
+                self._prefill_chunk(s, s.prompt[: n + 1])
+                s.prompt, s.num_in_cache, budget = s.prompt[n:], s.num_in_cache + n, budget - n
+                self._stats.prompt_tokens += n
+            if s.prompt.size > 1:
+                progress.append(PromptProgress(s.uid, s.total - s.prompt.size, s.total))
+                continue
+            self._prefilling.pop(0)
+            if any(c.empty() for c in s.cache):  # nothing to merge yet: its first token alone
+                self._first_alone(s)
+            else:
+                progress.append(PromptProgress(s.uid, s.total - 1, s.total, prompt_cache=s.cache))
+            self._ready.append(s)
+        return progress
+
+    def _prefill_chunk(self, s: _Sequence, tokens: mx.array) -> None:
+        """Feed all of `tokens` but the last (one of generate_step's chunks) to the
+        sequence's caches, the draft's too. Unlike drafters.prefill it keeps MLX's
+        buffer cache: the batch decoding meanwhile reuses those buffers."""
+        self.model(tokens[None, :-1], cache=s.cache[: self._num_target])
+        if self.draft_model is not None:
+            self.draft_model(self._draft_ids(tokens)[None, :-1], cache=s.cache[self._num_target :])
+        mx.eval([c.state for c in s.cache])
+
+    def _draft_ids(self, tokens: mx.array) -> mx.array:
+        """Ids beyond the draft's table fed as 0 (as speculative decoding feeds them)."""
+        return ids_within(tokens, self.draft_model.args.vocab_size)
+
+    def _first_alone(self, s: _Sequence) -> None:
+        if self.draft_model is not None:
+            self.draft_model(self._draft_ids(s.prompt)[None], cache=s.cache[self._num_target :])
+        logits = self.model(s.prompt[None], cache=s.cache[: self._num_target])[:, -1, :]
+        s.num_in_cache += 1
+        self._stats.prompt_tokens += 1
+        s.first = self._sample_row(s, logits)
+        mx.async_eval(*s.first)
+
+    def _join_ready(self) -> None:
+        if not self._ready:
+            return
+        joining, self._ready = self._ready, []
+        merged = merge_caches([s.cache for s in joining])
+        self._caches = merged if self._caches is None else extend_caches(self._caches, merged)
+        if self.speculating:  # (a join comes between rounds: no rollback is pending)
+            for entry in self._caches:
+                entry.start_speculation()
+        tokens = [s.first[0] if s.first else s.prompt for s in joining]
+        self._tokens = mx.concatenate(([self._tokens] if self._tokens is not None else []) + tokens)
+        self._logprobs += [s.first[1][0] if s.first else None for s in joining]
+        self._emit += [s.first is not None for s in joining]
+        self._stats.prompt_tokens += sum(s.first is None for s in joining)  # last prompt tokens, fed below
+        for s in joining:
+            s.cache, s.prompt, s.first = None, None, None  # the batch holds them now
+        self._active += joining
+
+    def _decode_step(self) -> List[Response]:
+        self._join_ready()
+        if not self._active:
+            return []
+        if self.speculating:
+            fed = self._tokens.tolist()  # drafting needs each row's token now
+            drafts = self._drafts(fed) if self.prompt_lookup else self._model_drafts(fed)
+            if any(drafts):
+                return self._speculative_step(fed, drafts)
+        fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
+        for i, s in enumerate(self._active):
+            s.num_in_cache += 1
+            if s.speculation is not None:
+                s.speculation.add_round(0, 0)
+            if s.history is not None and emit[i]:
+                s.history = mx.concatenate([s.history, fed[i : i + 1]])
+        make_room(self._caches, 1)
+        if self.draft_model is not None:  # the draft sees every token too
+            mx.async_eval(self.draft_model(self._draft_ids(fed)[:, None], cache=self._caches[self._num_target :]))
+        logits = self.model(fed[:, None], cache=self._caches[: self._num_target])[:, -1, :]  # (B, V)
+        self._tokens, logprobs = self._sample(logits)
+        mx.async_eval(self._tokens, logprobs)
+        self._logprobs = [logprobs[i] for i in range(len(self._active))]
+        self._emit = [True] * len(self._active)
+        responses, finished = [], []
+        for i, (s, token) in enumerate(zip(self._active, fed.tolist())):
+            if emit[i] and self._emit_token(s, token, fed_logprobs[i], responses):
+                finished.append(i)
+        self._retire(finished, responses)
+        return responses
+
+    def _emit_token(self, s: _Sequence, token: int, logprobs: mx.array, responses: List[Response]) -> bool:
+        """Report a generated token (already fed); True if it ends the sequence."""
+        s.num_generated += 1
+        self._stats.generation_tokens += 1
+        reason = "stop" if token in self.stop_tokens else "length" if s.num_generated == s.max_tokens else None
+        responses.append(Response(s.uid, token, logprobs, reason, speculation=s.speculation))
+        return reason is not None
+
+    def _retire(self, rows: List[int], responses: List[Response]) -> None:
+        """Finished rows leave the batch; their last responses carry their caches if asked."""
+        if self.return_prompt_caches:
+            last = {r.uid: r for r in responses}
+            for i in rows:
+                last[self._active[i].uid].prompt_cache = extract_caches(self._caches, i)
+        self._drop_rows(rows)
+
+    # ------------------------------------------------------------------ speculation
+
+    def _drafts(self, fed: List[int]) -> List[List[int]]:
+        """Each speculating row commits its token about to be fed and looks up drafts
+        (no more than its remaining max_tokens can take)."""
+        drafts = []
+        for i, s in enumerate(self._active):
+            if not s.speculates:
+                drafts.append([])
+                continue
+            if self._emit[i]:
+                s.lookup.extend([fed[i]])
+            room = self._draft_room(i, s)
+            drafts.append(s.lookup.lookup(room) if room > 0 else [])
+        return drafts
+
+    def _draft_room(self, i: int, s: _Sequence) -> int:
+        """How many drafts row i may verify this round: none while it backs off (after
+        rounds whose drafts were all rejected), else its cap within max_tokens."""
+        if not s.speculates:
+            return 0
+        if s.skip_rounds:
+            s.skip_rounds -= 1
+            return 0
+        room = s.num_draft_tokens
+        if s.max_tokens != -1:
+            room = min(room, s.max_tokens - s.num_generated - self._emit[i])
+        return max(room, 0)
+
+    @staticmethod
+    def _back_off(s: _Sequence, num_accepted: int) -> None:
+        """After n rounds in a row with every draft rejected, skip the next 2^(n-1)
+        rounds (at most MAX_BACK_OFF): a wasted verify costs a wider forward. Which
+        rounds draft never changes what a row emits (greedy) or its law (sampling)."""
+        s.misses = 0 if num_accepted else s.misses + 1
+        s.skip_rounds = min(1 << (s.misses - 1), MAX_BACK_OFF) if s.misses else 0
+
+    def _model_drafts(self, fed: List[int]) -> List[List[int]]:
+        """The draft model's greedy continuation of every row (a point mass, so sampling
+        rows keep the target's law), K = the largest room steps for all rows at once."""
+        rooms = [self._draft_room(i, s) for i, s in enumerate(self._active)]
+        num_steps = max(rooms)
+        if not num_steps:
+            return [[] for _ in rooms]
+        draft_cache, vocab = self._caches[self._num_target :], self.model.args.vocab_size
+        # Room for the whole round now: a window may only drop columns before it begins
+        # (the rollback goes back to its start).
+        make_room(draft_cache, num_steps + 1)
+        token, steps = mx.array(fed, dtype=mx.uint32), []
+        for _ in range(num_steps):
+            logits = self.draft_model(self._draft_ids(token)[:, None], cache=draft_cache)[:, -1, :vocab]
+            token = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            steps.append(token)
+        self._full_drafts = mx.stack(steps, axis=1)  # (B, K): the draft fed all but the last
+        drafted = self._full_drafts.tolist()
+        return [d[:room] for d, room in zip(drafted, rooms)]
+
+    def _settle_draft(self, kept: List[int], drafts: List[List[int]]) -> None:
+        """The draft fed each row its token and K - 1 drafts; keep what the target kept
+        (a row that kept all K drafts first gets the last one fed)."""
+        num_fed = self._full_drafts.shape[1]
+        draft_cache = self._caches[self._num_target :]
+        if max(kept) > num_fed:
+            self.draft_model(self._draft_ids(self._full_drafts[:, -1:]), cache=draft_cache)
+            num_fed += 1
+        trim_rows(draft_cache, [num_fed - k for k in kept])
+
+    def _speculative_step(self, fed: List[int], drafts: List[List[int]]) -> List[Response]:
+        """Feed every row its token and drafts (padded to the longest) in one forward;
+        each row accepts drafts by its own rule (_decide) and forgets the rest."""
+        num_columns = 1 + max(len(d) for d in drafts)
+        rows = [[fed[i]] + d + [fed[i]] * (num_columns - 1 - len(d)) for i, d in enumerate(drafts)]
+        make_room(self._caches[: self._num_target], num_columns)
+        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._caches[: self._num_target])  # (B, K+1, V)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        greedy = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1): the greedy rows' targets
+        responses, finished, trims, tokens, next_logprobs = [], [], [], [], []
+        for i, s in enumerate(self._active):
+            num_accepted, token, token_logprobs = self._decide(i, s, drafts[i], logits, logprobs, greedy[i])
+            self._stats.draft_tokens += len(drafts[i])
+            self._stats.accepted_tokens += num_accepted
+            if s.speculation is not None:
+                s.speculation.add_round(len(drafts[i]), num_accepted)
+            if drafts[i]:
+                self._back_off(s, num_accepted)
+            tokens.append(token)
+            next_logprobs.append(token_logprobs)
+            kept, done = self._commit(i, s, fed[i], drafts[i][:num_accepted], logprobs, responses)
+            if done:
+                finished.append(i)
+            if s.lookup is not None:
+                s.lookup.extend(drafts[i][:num_accepted])
+            trims.append(num_columns - kept)
+            s.num_in_cache += kept
+        trim_rows(self._caches[: self._num_target], trims)
+        if self.draft_model is not None:
+            self._settle_draft([num_columns - t for t in trims], drafts)
+        self._tokens = mx.concatenate(tokens)
+        self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
+        self._retire(finished, responses)
+        return responses
+
+    def _decide(self, i: int, s: _Sequence, drafts: List[int], logits: mx.array, logprobs: mx.array,
+                greedy: List[int]) -> Tuple[int, mx.array, mx.array]:
+        """Row i's accepted drafts, the token after them (1,) and its logprobs (V,):
+        greedy rows keep the drafts the argmax agrees with; sampling rows speculative
+        sampling (a CategoricalSampler; a draft is a point mass) or token matching (any
+        other sampler); rows with processors do not speculate (a plain step)."""
+        if not s.speculates:
+            if s.history is not None and self._emit[i]:
+                s.history = mx.concatenate([s.history, self._tokens[i : i + 1]])
+            token, token_logprobs = self._sample_row(s, logits[i : i + 1, 0])
+            return 0, token, token_logprobs[0]
+        if s.sampler is GREEDY:
+            num_accepted = accepted_prefix(drafts, greedy)
+            return num_accepted, mx.array([greedy[num_accepted]], dtype=mx.uint32), logprobs[i, num_accepted]
+        row = logprobs[i, : len(drafts) + 1]  # (k + 1, V)
+        if s.seed is not None:
+            mx.random.seed(_seeded_key(s.seed, s.num_sampled))
+        s.num_sampled += 1
+        ids = mx.array(drafts, dtype=mx.uint32)
+        if not drafts:
+            num_accepted, token = 0, s.sampler(row)
+        elif isinstance(s.sampler, CategoricalSampler):
+            accepted, token = speculative_sample(s.sampler.distribution(row), point_masses(ids, row.shape[-1]), ids)
+            num_accepted, token = accepted.item(), token[None]
+        else:
+            targets = s.sampler(row).tolist()
+            num_accepted = accepted_prefix(drafts, targets)
+            token = mx.array([targets[num_accepted]], dtype=mx.uint32)
+        return num_accepted, token, logprobs[i, num_accepted]
+
+    def _commit(self, i: int, s: _Sequence, fed: int, accepted: List[int], logprobs: mx.array,
+                responses: List[Response]) -> Tuple[int, bool]:
+        """Report row i's fed token (unless the prompt's) and accepted drafts, up to a
+        stop; returns how many of this round's columns its cache keeps, and whether it
+        finished."""
+        emitted = [(fed, self._logprobs[i])] if self._emit[i] else []
+        emitted += [(token, logprobs[i, j]) for j, token in enumerate(accepted)]
+        for j, (token, token_logprobs) in enumerate(emitted):
+            if self._emit_token(s, token, token_logprobs, responses):
+                return (j + 1 if self._emit[i] else j + 2), True  # up to and with its last token
+        return 1 + len(accepted), False
+
+    def _drop_rows(self, rows: List[int]) -> None:
+        if not rows:
+            return
+        keep = [i for i in range(len(self._active)) if i not in set(rows)]
+        self._active = [self._active[i] for i in keep]
+        self._logprobs = [self._logprobs[i] for i in keep]
+        self._emit = [self._emit[i] for i in keep]
+        if keep:
+            self._caches = filter_caches(self._caches, keep)
+            self._tokens = mx.take(self._tokens, mx.array(keep, dtype=mx.int32))
+        else:
+            self._caches, self._tokens = None, None
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(self, logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """(B, V) logits -> (B,) tokens and (B, V) logprobs, each row its own way; rows
+        that share a plain sampler draw in one call."""
+        rows = self._active
+        if len({id(s.sampler) for s in rows}) == 1 and all(not s.processors and s.seed is None for s in rows):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return rows[0].sampler(logprobs), logprobs
+        drawn = [self._sample_row(s, logits[i : i + 1]) for i, s in enumerate(rows)]
+        return mx.concatenate([t for t, _ in drawn]), mx.concatenate([lp for _, lp in drawn])
+
+    @staticmethod
+    def _sample_row(s: _Sequence, logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """(1, V) logits of one row -> (1,) token and (1, V) logprobs."""
+        for processor in s.processors:
+            logits = processor(s.history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if s.seed is not None:
+            mx.random.seed(_seeded_key(s.seed, s.num_sampled))
+        s.num_sampled += 1
+        return s.sampler(logprobs), logprobs
+
+    # ------------------------------------------------------------------ removal
+
+    def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> Dict[int, Tuple[List[Any], int]]:
+        """Drop sequences at whatever stage they are. With `return_prompt_caches`:
+        uid -> (its caches, how many of the tokens it was given they hold: prompt
+        tokens fed, then generated tokens)."""
+        wanted, removed = set(uids), {}
+        for stage in (self._queued, self._prefilling, self._ready):
+            for s in [s for s in stage if s.uid in wanted]:
+                stage.remove(s)
+                removed[s.uid] = (s.cache, s.num_in_cache)
+        rows = [i for i, s in enumerate(self._active) if s.uid in wanted]
+        for i in rows:
+            s = self._active[i]
+            removed[s.uid] = (extract_caches(self._caches, i) if return_prompt_caches else None, s.num_in_cache)
+        self._drop_rows(rows)
+        return removed if return_prompt_caches else {}
+
+    def extract_cache(self, uids: Sequence[int]) -> Dict[int, List[Any]]:
+        """Copies of the caches of active sequences `uids`, which keep running."""
+        rows = {s.uid: i for i, s in enumerate(self._active)}
+        return {uid: extract_caches(self._caches, rows[uid]) for uid in uids if uid in rows}
+
+    def stats(self) -> BatchStats:
+        s = self._stats
+        s.prompt_tps = s.prompt_tokens / s.prompt_time if s.prompt_time else 0.0
+        s.generation_tps = s.generation_tokens / s.generation_time if s.generation_time else 0.0
+        s.peak_memory = mx.get_peak_memory() / 1e9
+        return s
+
+    def close(self) -> None:
+        self._queued.clear()
+        self._prefilling, self._ready, self._active = [], [], []
+        self._caches, self._tokens, self._logprobs, self._emit = None, None, [], []
+
+
+def batch_generate(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[Union[str, Sequence[int]]],
+    prompt_caches: Optional[Sequence[Optional[List[Any]]]] = None,
+    max_tokens: Union[int, Sequence[int]] = 128,
+    verbose: bool = False,
+    return_prompt_caches: bool = False,
+    return_token_ids: bool = False,
+    return_logprobs: bool = False,
+    **kwargs,
+) -> BatchResponse:
+    """Generate for every prompt (token ids, or text encoded with the tokenizer) at once;
+    the texts come back in prompt order, without the EOS token. kwargs go to
+    BatchGenerator (sampler, logits_processors, completion_batch_size, ...)."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    token_prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, return_prompt_caches=return_prompt_caches,
+                               **kwargs)
+    uids = generator.insert(token_prompts, max_tokens, caches=prompt_caches)
+    order = {uid: i for i, uid in enumerate(uids)}
+    tokens: List[List[int]] = [[] for _ in uids]
+    logprobs: List[List[mx.array]] = [[] for _ in uids]
+    caches: List[Optional[List[Any]]] = [None] * len(uids)
+    while len(generator):
+        for r in generator.next_generated():
+            i = order[r.uid]
+            if r.finish_reason != "stop":
+                tokens[i].append(r.token)
+                if return_logprobs:
+                    logprobs[i].append(r.logprobs)
+            if r.finish_reason is not None:
+                caches[i] = r.prompt_cache
+                if verbose:
+                    print(f"[{i}] {tokenizer.decode(tokens[i])!r}", flush=True)
+    stats = generator.stats()
+    if verbose:
+        print(f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {stats.peak_memory:.3f} GB")
+    return BatchResponse(
+        texts=[tokenizer.decode(t) for t in tokens],
+        stats=stats,
+        caches=caches if return_prompt_caches else None,
+        token_ids=tokens if return_token_ids else None,
+        logprobs=logprobs if return_logprobs else None,
+    )

@@ -1,0 +1,588 @@
+"""Batched caches: the caches of several sequences side by side, one (B, ...) array per
+layer, for continuous batching (`mlx_lm/batching.py`).
+
+Each sequence (row) is prefilled alone in ordinary caches (`cache.py`); `merge_caches`
+stacks rows into batched caches, `extend_caches` joins two batches, `filter_caches`
+keeps some rows and `extract_caches` gives one row back as ordinary caches. The models
+see the same contract as unbatched: `offset` (here a (B,) array of each row's position,
+which `mx.fast.rope` takes per row), `update_and_fetch`, `make_mask`, `cache[i]`.
+
+KV layout: right-aligned. Every row writes its next token at the same column `width`
+of a (B, H_kv, capacity, D) buffer, so one slice update serves the batch; `positions`
+(B, capacity) says which position each column holds, NO_TOKEN for none (left padding
+of a shorter row, or a rejected draft). Masks come from positions alone: a query at
+position p sees the columns holding positions <= p (within its window). So a row rolls
+back its last n tokens by marking its last n columns NO_TOKEN (`trim_rows`), whatever
+the other rows do; the holes are squeezed out once they are half the columns. A sliding
+window drops the leading columns no query will see. Both happen in `make_room`, which
+the generator calls before each forward, never between a mask and its update.
+
+Quantized KV rows (`BatchQuantizedKVCache`) use the same layout with a (packed,
+scales, biases) triple of buffers for each of keys and values.
+
+Recurrent state (`BatchArraysCache`) is each row's arrays stacked: a decode step gives
+every row exactly one new token, so no padding ever enters the recurrence; a verify
+forward is rolled back per row from the layers' records (replay of each row's prefix).
+"""
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+
+
+NO_TOKEN = -1  # the position of a column that holds no token (padding, a rejected draft)
+
+
+def _placed(array: mx.array, width: int, capacity: int, axis: int, fill) -> mx.array:
+    """`array`'s n columns along `axis` placed right-aligned at [width - n, width) of
+    `capacity` columns, the rest `fill`."""
+    n = array.shape[axis]
+
+    def block(size):
+        shape = list(array.shape)
+        shape[axis] = size
+        return mx.full(shape, fill, array.dtype)
+
+    pieces = [block(width - n), array, block(capacity - width)]
+    return mx.concatenate([p for p in pieces if p.shape[axis]], axis=axis)
+
+
+class _AlignedKV:
+    """Shared machinery of the right-aligned KV layouts (see the module docstring).
+
+    buffers: (B, H_kv, capacity, d) arrays, the keys' then the values' (one each, or a
+    quantized cache's packed/scales/biases triples), None while no row holds a token;
+    `positions` (B, capacity) int32: the position of the token in each column, NO_TOKEN for none;
+    `width`: columns in use; `lengths`: per-row positions (the tokens each row has
+    seen, which for a sliding window exceeds what it holds); `num_invalid`: per row,
+    columns before `width` that hold no token."""
+
+    step = 256
+
+    def __init__(self, buffers: Optional[List[mx.array]], positions: Optional[mx.array], width: int,
+                 lengths: List[int], num_invalid: List[int]):
+        self.buffers, self.positions, self.width = buffers, positions, width
+        self.lengths, self.num_invalid = list(lengths), list(num_invalid)
+        self.offset = mx.array(self.lengths, dtype=mx.int32)  # (B,) rope positions
+
+    @classmethod
+    def _from_rows(cls, buffers: Optional[List[mx.array]], first_position: int, length: int,
+                   **kwargs) -> "_AlignedKV":
+        """One row holding (1, H, n, d) buffers of positions first_position.. (None: n = 0)."""
+        n = 0 if buffers is None else buffers[0].shape[2]
+        positions = None if buffers is None else mx.arange(first_position, first_position + n, dtype=mx.int32)[None]
+        return cls(buffers, positions, n, [length], [0], **kwargs)
+
+    def _split(self, keys: mx.array, values: mx.array) -> List[mx.array]:
+        """New (B, H_kv, N, D) keys and values as buffer rows."""
+        return [keys, values]
+
+    def _fetch(self, end: int):
+        """What update_and_fetch returns: the first `end` columns of keys and values."""
+        return self.buffers[0][..., :end, :], self.buffers[1][..., :end, :]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffers is None else self.buffers[0].shape[2]
+
+    @property
+    def state(self) -> List[mx.array]:
+        """The columns in use of every buffer (rows' padding and holes included)."""
+        return [] if self.buffers is None else [b[..., : self.width, :] for b in self.buffers]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def _capacity(self, needed: int) -> int:
+        return -(-needed // self.step) * self.step
+
+    def _columns_to_drop(self, num_new: int) -> int:
+        """Leading columns no query will see any more (a window's)."""
+        return 0
+
+    def _resize(self, capacity: int) -> None:
+        """The columns in use, right-aligned in buffers of `capacity` columns."""
+        self.buffers = [_placed(b[..., : self.width, :], self.width, capacity, 2, 0) for b in self.buffers]
+        self.positions = _placed(self.positions[:, : self.width], self.width, capacity, 1, NO_TOKEN)
+
+    def make_room(self, num_new: int) -> None:
+        """Before a forward of num_new tokens (not during one: the mask and the update
+        must see the same columns), if they do not fit: drop the columns no query will
+        see, and squeeze out the holes left by rejected drafts once they are half."""
+        if self.buffers is None or self.width + num_new <= self.capacity:
+            return
+        drop = self._columns_to_drop(num_new)
+        if drop:
+            self._drop(drop)
+        if self.width + num_new > self.capacity and max(self.num_invalid) * 2 >= self.width:
+            self._compact()
+
+    def _ensure_room(self, rows: List[mx.array]) -> None:
+        """Allocate, or grow in blocks of `step` columns, so the new columns fit."""
+        num_new = rows[0].shape[2]
+        if self.buffers is None:
+            capacity = self._capacity(num_new)
+            self.buffers = [_placed(r[..., :0, :], 0, capacity, 2, 0) for r in rows]
+            self.positions = mx.full((rows[0].shape[0], capacity), NO_TOKEN, mx.int32)
+        elif self.width + num_new > self.capacity:
+            self._resize(self._capacity(self.width + num_new))
+
+    def _drop(self, count: int) -> None:
+        self.buffers = [b[..., count:, :] for b in self.buffers]
+        self.positions = self.positions[:, count:]
+        self.width -= count
+        self.num_invalid = (self.positions[:, : self.width] < 0).sum(axis=1).tolist()
+
+    def _compact(self) -> None:
+        """Every row's tokens moved together, in order, right-aligned (holes squeezed out)."""
+        rows = [[c for c, p in enumerate(row) if p >= 0] for row in self.positions[:, : self.width].tolist()]
+        width = max(len(r) for r in rows)
+        columns = mx.array([[0] * (width - len(r)) + r for r in rows], dtype=mx.int32)  # (B, width)
+        real = mx.array([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+        gather = columns[:, None, :, None]
+        moved = [mx.take_along_axis(b[..., : self.width, :], gather, axis=2) for b in self.buffers]
+        positions = mx.where(real, mx.take_along_axis(self.positions[:, : self.width], columns, axis=1), NO_TOKEN)
+        capacity = self.capacity
+        self.buffers = [_placed(b, width, capacity, 2, 0) for b in moved]
+        self.positions = _placed(positions, width, capacity, 1, NO_TOKEN)
+        self.width, self.num_invalid = width, [width - len(r) for r in rows]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append (B, H_kv, N, D) keys/values at column `width` for every row; return the
+        (B, H_kv, width, D) columns in use."""
+        num_new = keys.shape[2]
+        rows = self._split(keys, values)
+        self._ensure_room(rows)
+        start, end = self.width, self.width + num_new
+        for buffer, row in zip(self.buffers, rows):
+            buffer[..., start:end, :] = row
+        self.positions[:, start:end] = self.offset[:, None] + mx.arange(num_new, dtype=mx.int32)
+        self.width = end
+        self.lengths = [n + num_new for n in self.lengths]
+        self.offset = self.offset + num_new
+        return self._fetch(end)
+
+    def _window(self, window_size: Optional[int]) -> Optional[int]:
+        return window_size
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
+        """(B, 1, N, S) boolean over the S columns the update of these N queries returns:
+        the query at position p of row b sees the columns holding its positions up to p
+        (within its window). None for a single query when every column holds a token
+        and every row sees every column."""
+        window = self._window(window_size)
+        gapless = not any(self.num_invalid)
+        if num_queries == 1 and gapless and (window is None or self.width < window) and not return_array:
+            return None
+        query_pos = self.offset[:, None] + mx.arange(num_queries, dtype=mx.int32)  # (B, N)
+        held = self.positions[:, : self.width] if self.positions is not None else query_pos[:, :0]
+        key_pos = mx.concatenate([held, query_pos], axis=1)[:, None, :]  # (B, 1, S)
+        mask = (key_pos >= 0) & (key_pos <= query_pos[..., None])  # (B, N, S)
+        if window is not None:
+            mask = mask & (query_pos[..., None] - key_pos < window)
+        return mask[:, None]
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        """Forget the last counts[b] tokens of each row b, which must be its last
+        counts[b] columns (so right after a forward of at least that many tokens): they
+        become holes, and the columns no row holds any more are given back."""
+        if not any(counts):
+            return
+        if max(counts) > self.width or min(counts) < 0:
+            raise ValueError(f"cannot trim {list(counts)} tokens from rows holding {self.width} columns")
+        columns = mx.arange(self.positions.shape[1])[None]
+        first_gone = self.width - mx.array(list(counts), dtype=mx.int32)[:, None]
+        self.positions = mx.where((columns >= first_gone) & (columns < self.width), NO_TOKEN, self.positions)
+        self.lengths = [n - c for n, c in zip(self.lengths, counts)]
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+        common = min(counts)
+        self.width -= common
+        self.num_invalid = [i + c - common for i, c in zip(self.num_invalid, counts)]
+
+    def trim(self, n: int) -> int:
+        self.trim_rows([n] * self.batch_size)
+        return max(n, 0)
+
+    def _take_rows(self, indices: Sequence[int]):
+        at = mx.array(list(indices), dtype=mx.int32)
+        lengths = [self.lengths[i] for i in indices]
+        num_invalid = [self.num_invalid[i] for i in indices]
+        if self.buffers is None:
+            return None, None, 0, lengths, num_invalid
+        positions = mx.take(self.positions, at, axis=0)
+        leading = mx.argmax(positions[:, : self.width] >= 0, axis=1).tolist() if self.width else [0]
+        drop = min(leading)  # columns no kept row holds a token in: gone
+        buffers = [mx.take(b, at, axis=0)[..., drop:, :] for b in self.buffers]
+        return buffers, positions[:, drop:], self.width - drop, lengths, [i - drop for i in num_invalid]
+
+    def _joined(self, other: "_AlignedKV"):
+        """buffers, positions, width, lengths, num_invalid of self's rows then other's."""
+        lengths = self.lengths + other.lengths
+        if self.buffers is None and other.buffers is None:
+            return None, None, 0, lengths, self.num_invalid + other.num_invalid
+        width = max(self.width, other.width)
+        capacity = self._capacity(width + 1)
+        some = self if self.buffers is not None else other
+        likes = some.buffers + [some.positions]
+        joined = []
+        for j, like in enumerate(likes):
+            axis, fill = (1, NO_TOKEN) if j == len(likes) - 1 else (2, 0)
+            parts = []
+            for c in (self, other):
+                if c.buffers is None:  # rows holding nothing yet
+                    shape = list(like.shape)
+                    shape[0], shape[axis] = c.batch_size, width
+                    parts.append(mx.full(shape, fill, like.dtype))
+                else:
+                    own = (c.buffers + [c.positions])[j]
+                    used = own[:, :, : c.width] if axis == 2 else own[:, : c.width]
+                    parts.append(_placed(used, width, width, axis, fill))
+            joined.append(_placed(mx.concatenate(parts), width, capacity, axis, fill))
+        num_invalid = [i + width - c.width for c in (self, other) for i in c.num_invalid]
+        return joined[:-1], joined[-1], width, lengths, num_invalid
+
+    def _row_columns(self, index: int) -> List[int]:
+        """The columns of row `index` that hold tokens, oldest first."""
+        return [c for c, p in enumerate(self.positions[index, : self.width].tolist()) if p >= 0]
+
+    def _row(self, index: int, columns: List[int]) -> List[mx.array]:
+        """Row `index`'s `columns` of every buffer, as new (1, H, n, d) arrays."""
+        at = mx.array(columns, dtype=mx.int32)
+        return [mx.take(b[index : index + 1], at, axis=2) for b in self.buffers]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def start_speculation(self, rollback_window: int = 0) -> None:
+        pass  # rows roll back by turning their last columns into holes (trim_rows)
+
+    def stop_speculation(self) -> None:
+        pass
+
+    def size(self) -> int:
+        return self.width
+
+    def empty(self) -> bool:
+        return self.buffers is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffers is None else sum(b.nbytes for b in self.buffers)
+
+
+class BatchKVCache(_AlignedKV):
+    """KVCache rows side by side (right-aligned; see the module docstring)."""
+
+    @classmethod
+    def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
+        batch = cls(None, None, 0, [], [])
+        for c in caches:
+            batch = batch.extend(cls._from_rows(list(c.state) if c.offset else None, 0, c.offset))
+        return batch
+
+    def extend(self, other: "BatchKVCache") -> "BatchKVCache":
+        return BatchKVCache(*self._joined(other))
+
+    def filter(self, indices: Sequence[int]) -> "BatchKVCache":
+        return BatchKVCache(*self._take_rows(indices))
+
+    def extract(self, index: int) -> KVCache:
+        cache = KVCache()
+        columns = [] if self.buffers is None else self._row_columns(index)
+        if columns:
+            cache.state = tuple(self._row(index, columns))
+        return cache
+
+
+class BatchRotatingKVCache(_AlignedKV):
+    """RotatingKVCache rows (sliding windows, no sink tokens) side by side: the newest
+    columns right-aligned, each query masked to its window of `max_size` tokens."""
+
+    def __init__(self, buffers, positions, width: int, lengths: List[int], num_invalid: List[int], max_size: int):
+        super().__init__(buffers, positions, width, lengths, num_invalid)
+        self.max_size = max_size
+
+    def _window(self, window_size: Optional[int]) -> int:
+        if window_size is not None and not 0 < window_size <= self.max_size:
+            raise ValueError(f"a batched window of {self.max_size} tokens cannot mask for window_size={window_size}")
+        return self.max_size if window_size is None else window_size
+
+    def _columns_to_drop(self, num_new: int) -> int:
+        # The next query of row b sits at position lengths[b] and sees back to
+        # lengths[b] - max_size + 1 (rollbacks never go back before it).
+        seen = self.positions[:, : self.width] > (self.offset - self.max_size)[:, None]  # (B, width)
+        first = mx.where(seen.any(axis=1), mx.argmax(seen, axis=1), self.width)
+        return min(first.tolist())
+
+    @classmethod
+    def merge(cls, caches: Sequence[RotatingKVCache]) -> "BatchRotatingKVCache":
+        sizes = {c.max_size for c in caches}
+        if len(sizes) > 1:
+            raise ValueError(f"rotating caches of different sizes {sorted(sizes)} cannot share a batch")
+        sinks = [c.keep for c in caches if c.keep]
+        if sinks:
+            raise ValueError(
+                f"batching does not support sink tokens (RotatingKVCache keep={sinks[0]}); drop max_kv_size"
+            )
+        max_size = sizes.pop()
+        batch = cls(None, None, 0, [], [], max_size=max_size)
+        for c in caches:
+            held = c.size()
+            rows = [c._temporal_order(c.keys), c._temporal_order(c.values)] if held else None
+            batch = batch.extend(cls._from_rows(rows, c.offset - held, c.offset, max_size=max_size))
+        return batch
+
+    def extend(self, other: "BatchRotatingKVCache") -> "BatchRotatingKVCache":
+        if other.max_size != self.max_size:
+            raise ValueError(f"rotating caches of sizes {self.max_size} and {other.max_size} cannot share a batch")
+        return BatchRotatingKVCache(*self._joined(other), max_size=self.max_size)
+
+    def filter(self, indices: Sequence[int]) -> "BatchRotatingKVCache":
+        return BatchRotatingKVCache(*self._take_rows(indices), max_size=self.max_size)
+
+    def extract(self, index: int) -> RotatingKVCache:
+        """The row as a RotatingKVCache holding its newest tokens in temporal order
+        (the write index past them: the next write overwrites the oldest)."""
+        columns = [] if self.buffers is None else self._row_columns(index)[-self.max_size :]
+        if not columns:
+            return RotatingKVCache(self.max_size)
+        state = tuple(self._row(index, columns))
+        meta = tuple(map(str, (0, self.max_size, self.lengths[index], len(columns))))
+        return RotatingKVCache.from_state(state, meta)
+
+
+class BatchQuantizedKVCache(_AlignedKV, QuantizedKVCache):
+    """QuantizedKVCache rows side by side: keys and values each a (packed, scales,
+    biases) triple of right-aligned buffers, quantized as they arrive (each token row
+    on its own, as a QuantizedKVCache does); attention reads them with quantized
+    matmuls (base.scaled_dot_product_attention dispatches on QuantizedKVCache)."""
+
+    def __init__(self, buffers, positions, width: int, lengths: List[int], num_invalid: List[int],
+                 group_size: int, bits: int):
+        _AlignedKV.__init__(self, buffers, positions, width, lengths, num_invalid)
+        self.group_size, self.bits = group_size, bits
+
+    def _split(self, keys: mx.array, values: mx.array) -> List[mx.array]:
+        return [*self._quantize(keys), *self._quantize(values)]
+
+    def _fetch(self, end: int):
+        used = [b[..., :end, :] for b in self.buffers]
+        return tuple(used[:3]), tuple(used[3:])
+
+    def _settings(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits}
+
+    @classmethod
+    def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQuantizedKVCache":
+        settings = {(c.group_size, c.bits) for c in caches}
+        if len(settings) > 1:
+            raise ValueError(f"quantized caches of different (group_size, bits) {sorted(settings)} cannot share a batch")
+        group_size, bits = settings.pop()
+        batch = cls(None, None, 0, [], [], group_size=group_size, bits=bits)
+        for c in caches:
+            rows = [*c.state[0], *c.state[1]] if c.offset else None
+            batch = batch.extend(cls._from_rows(rows, 0, c.offset, group_size=group_size, bits=bits))
+        return batch
+
+    def extend(self, other: "BatchQuantizedKVCache") -> "BatchQuantizedKVCache":
+        if (other.group_size, other.bits) != (self.group_size, self.bits):
+            raise ValueError(f"quantized caches of bits {self.bits} and {other.bits} (group sizes {self.group_size}, "
+                             f"{other.group_size}) cannot share a batch")
+        return BatchQuantizedKVCache(*self._joined(other), **self._settings())
+
+    def filter(self, indices: Sequence[int]) -> "BatchQuantizedKVCache":
+        return BatchQuantizedKVCache(*self._take_rows(indices), **self._settings())
+
+    def extract(self, index: int) -> QuantizedKVCache:
+        cache = QuantizedKVCache(self.group_size, self.bits)
+        columns = [] if self.buffers is None else self._row_columns(index)
+        if columns:
+            parts = self._row(index, columns)
+            cache.state = (tuple(parts[:3]), tuple(parts[3:]))
+        return cache
+
+
+class BatchArraysCache(ArraysCache):
+    """ArraysCache rows (recurrent and conv state) stacked along the batch axis.
+
+    While speculating, the layers record each forward (`record_rollback`, as for one
+    sequence) and `trim_rows` rewinds each row by its own count: the replay of the
+    forward's first m tokens is computed once per distinct m and each row takes its own.
+    A new record commits the previous forward (a batch verifies once per round)."""
+
+    _speculating = False
+    _record: Optional[Tuple[int, Callable, List[Optional[mx.array]]]] = None
+
+    @classmethod
+    def merge(cls, caches: Sequence[ArraysCache]) -> "BatchArraysCache":
+        batch = cls(len(caches[0].cache))
+        for c in caches:
+            batch = batch.extend(c)
+        return batch
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.cache[0] is None else self.cache[0].shape[0]
+
+    def _like(self, arrays: List[Optional[mx.array]]) -> "BatchArraysCache":
+        made = BatchArraysCache(len(arrays))
+        made.cache, made._speculating = arrays, self._speculating
+        return made
+
+    def extend(self, other: ArraysCache) -> "BatchArraysCache":
+        if len(other.cache) != len(self.cache):
+            raise ValueError(f"ArraysCache of {len(other.cache)} arrays cannot join a batch of {len(self.cache)}")
+        joined = []
+        for mine, theirs in zip(self.cache, other.cache):
+            if mine is None or theirs is None:
+                if mine is not None or self.batch_size:
+                    raise ValueError("a recurrent cache that has seen no token cannot join a batch that has")
+                joined.append(theirs)
+            else:
+                joined.append(mx.concatenate([mine, theirs]))
+        return self._like(joined)
+
+    def filter(self, indices: Sequence[int]) -> "BatchArraysCache":
+        at = mx.array(list(indices), dtype=mx.int32)
+        return self._like([None if a is None else mx.take(a, at, axis=0) for a in self.cache])
+
+    def extract(self, index: int) -> ArraysCache:
+        row = ArraysCache(len(self.cache))
+        row.cache = [None if a is None else mx.contiguous(a[index : index + 1]) for a in self.cache]
+        return row
+
+    @property
+    def speculating(self) -> bool:
+        return self._speculating
+
+    def start_speculation(self, rollback_window: int = 0) -> None:
+        self._speculating, self._record = True, None
+
+    def stop_speculation(self) -> None:
+        self._speculating, self._record = False, None
+
+    def record_rollback(self, num_tokens: int, fn: Callable, snapshot: List[Optional[mx.array]]) -> None:
+        if not self._speculating:
+            raise RuntimeError("record_rollback called on a BatchArraysCache that is not speculating")
+        self._record = (num_tokens, fn, list(snapshot))
+
+    def is_trimmable(self) -> bool:
+        return self._speculating
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        """Rewind row b by counts[b] of the last forward's tokens."""
+        record, self._record = self._record, None
+        if not any(counts):
+            return
+        if record is None or max(counts) > record[0]:
+            raise RuntimeError(f"cannot roll rows back by {list(counts)}: the last forward recorded "
+                               f"{0 if record is None else record[0]} tokens")
+        num_tokens, fn, snapshot = record
+        keeps = [num_tokens - c for c in counts]
+        states = {m: self.cache if m == num_tokens else snapshot if m == 0 else list(fn(m)) for m in set(keeps)}
+        if len(states) == 1:
+            self.cache = list(states[keeps[0]])
+            return
+        self.cache = [mx.concatenate([states[m][i][b : b + 1] for b, m in enumerate(keeps)])
+                      for i in range(len(self.cache))]
+
+    def trim(self, n: int) -> int:
+        self.trim_rows([n] * self.batch_size)
+        return max(n, 0)
+
+    def make_room(self, num_new: int) -> None:
+        pass  # a fixed size
+
+
+class BatchCacheList(CacheList):
+    """CacheList rows: each child batched on its own."""
+
+    @classmethod
+    def merge(cls, caches: Sequence[CacheList]) -> "BatchCacheList":
+        return cls(*(merge_entry([c.caches[i] for c in caches]) for i in range(len(caches[0].caches))))
+
+    def extend(self, other: CacheList) -> "BatchCacheList":
+        return BatchCacheList(*(extend_entry(a, b) for a, b in zip(self.caches, other.caches)))
+
+    def filter(self, indices: Sequence[int]) -> "BatchCacheList":
+        return BatchCacheList(*(c.filter(indices) for c in self.caches))
+
+    def extract(self, index: int) -> CacheList:
+        return CacheList(*(c.extract(index) for c in self.caches))
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        for c in self.caches:
+            c.trim_rows(counts)
+
+    def make_room(self, num_new: int) -> None:
+        for c in self.caches:
+            c.make_room(num_new)
+
+
+# Which batched class holds rows of each cache class (exact types: any other kind
+# cannot be batched).
+BATCH_CLASSES = {
+    KVCache: BatchKVCache,
+    RotatingKVCache: BatchRotatingKVCache,
+    QuantizedKVCache: BatchQuantizedKVCache,
+    ArraysCache: BatchArraysCache,
+    CacheList: BatchCacheList,
+}
+
+
+def batch_class(entry: Any):
+    cls = BATCH_CLASSES.get(type(entry))
+    if cls is None:
+        raise ValueError(
+            f"{type(entry).__name__} entries cannot be batched; batchable kinds: "
+            f"{', '.join(c.__name__ for c in BATCH_CLASSES)}"
+        )
+    return cls
+
+
+def merge_entry(entries: Sequence[Any]) -> Any:
+    """One layer's entries of several rows (ordinary caches) as one batched entry."""
+    kinds = sorted({type(e).__name__ for e in entries})
+    if len(kinds) > 1:
+        raise ValueError(f"one layer's rows hold different cache kinds ({', '.join(kinds)}); a batch needs one "
+                         "kind per layer (e.g. every row's KV quantized, or none)")
+    return batch_class(entries[0]).merge(entries)
+
+
+def extend_entry(batched: Any, rows: Any) -> Any:
+    """A batched entry followed by the rows of another batched entry of its kind."""
+    return batched.extend(rows)
+
+
+def merge_caches(row_caches: Sequence[List[Any]]) -> List[Any]:
+    """Per-row cache lists (one entry per layer) -> one batched cache list."""
+    return [merge_entry([caches[layer] for caches in row_caches]) for layer in range(len(row_caches[0]))]
+
+
+def extend_caches(batched: List[Any], more: List[Any]) -> List[Any]:
+    return [extend_entry(a, b) for a, b in zip(batched, more)]
+
+
+def filter_caches(batched: List[Any], indices: Sequence[int]) -> List[Any]:
+    """Only rows `indices` (in that order), padding common to all of them dropped."""
+    return [entry.filter(indices) for entry in batched]
+
+
+def make_room(batched: List[Any], num_new: int) -> None:
+    """Call before each forward of num_new tokens per row (see _AlignedKV.make_room)."""
+    for entry in batched:
+        entry.make_room(num_new)
+
+
+def trim_rows(batched: List[Any], counts: Sequence[int]) -> None:
+    """Forget the last counts[b] tokens of each row b (see _AlignedKV.trim_rows)."""
+    for entry in batched:
+        entry.trim_rows(counts)
+
+
+def extract_caches(batched: List[Any], index: int) -> List[Any]:
+    """Row `index` as ordinary caches, copied out of the batch buffers."""
+    return [entry.extract(index) for entry in batched]
