@@ -77,3 +77,24 @@ def format_bytes(num_bytes: int) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
     return f"{num_bytes / 2**10:.2f} KB"
+
+
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """--prompt-lookup, --max-ngram-size and --mtp: the drafters that need no draft model
+    (mlx_lm.generate and mlx_lm.server; check_one_drafter refuses two at once)."""
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="Speculative decoding without a draft model: draft the tokens that followed the "
+                        "latest earlier occurrence of the last few tokens in the prompt and the output")
+    parser.add_argument("--max-ngram-size", type=positive_int, default=3,
+                        help="With --prompt-lookup: the longest suffix looked up, in tokens")
+    parser.add_argument("--mtp", action="store_true",
+                        help="Speculative decoding with the model's own multi-token-prediction head "
+                        "(Qwen3-Next, Qwen3.5 checkpoints with mtp.* weights); --num-draft-tokens applications a round")
+
+
+def check_one_drafter(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """At most one of --prompt-lookup, --mtp and --draft-model."""
+    drafters = [name for name, given in [("--prompt-lookup", args.prompt_lookup), ("--mtp", args.mtp),
+                                         ("--draft-model", args.draft_model is not None)] if given]
+    if len(drafters) > 1:
+        parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")

@@ -16,7 +16,9 @@ from .cli_args import (
     DEFAULT_MODEL,
     DEFAULT_QUANTIZED_KV_START,
     HelpFormatter,
+    add_drafter_arguments,
     add_dtype_argument,
+    check_one_drafter,
     json_object,
     positive_int,
     prompt_text,
@@ -391,14 +393,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
     parser.add_argument("--draft-model", type=str, default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
-    parser.add_argument("--prompt-lookup", action="store_true",
-                        help="Speculative decoding without a draft model: draft the tokens that followed the "
-                        "latest earlier occurrence of the last few tokens in the prompt and the output")
-    parser.add_argument("--mtp", action="store_true",
-                        help="Speculative decoding with the model's own multi-token-prediction head "
-                        "(Qwen3-Next, Qwen3.5 checkpoints with mtp.* weights); --num-draft-tokens applications a round")
-    parser.add_argument("--max-ngram-size", type=positive_int, default=3,
-                        help="With --prompt-lookup: the longest suffix looked up, in tokens")
+    add_drafter_arguments(parser)
     parser.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULT_NUM_DRAFT_TOKENS,
                         help="At most this many tokens drafted per target forward (each round picks 0..N "
                         "from the measured acceptance and speed)")
@@ -429,10 +424,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.prompt_cache_file is not None and args.max_kv_size is not None:
         parser.error("--max-kv-size cannot be combined with --prompt-cache-file: the cache file's size "
                      "was fixed when it was made (mlx_lm.cache_prompt --max-kv-size)")
-    drafters = [name for name, given in [("--prompt-lookup", args.prompt_lookup), ("--mtp", args.mtp),
-                                         ("--draft-model", args.draft_model is not None)] if given]
-    if len(drafters) > 1:
-        parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")
+    check_one_drafter(parser, args)
     if not args.prompt_lookup and args.max_ngram_size != parser.get_default("max_ngram_size"):
         parser.error("--max-ngram-size needs --prompt-lookup")
     from . import distributed

@@ -42,7 +42,15 @@ from urllib.parse import unquote
 import mlx.core as mx
 
 from . import distributed, distributed_serving
-from .cli_args import HelpFormatter, add_dtype_argument, json_object, positive_float, positive_int
+from .cli_args import (
+    HelpFormatter,
+    add_drafter_arguments,
+    add_dtype_argument,
+    check_one_drafter,
+    json_object,
+    positive_float,
+    positive_int,
+)
 from .openai_api import (
     MAX_BODY_BYTES,
     MAX_JSON_DEPTH,
@@ -425,14 +433,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="Local model directory or Hugging Face repo id to serve")
     parser.add_argument("--draft-model", default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding")
-    parser.add_argument("--prompt-lookup", action="store_true",
-                        help="Speculative decoding without a draft model: draft the tokens that followed the "
-                        "latest earlier occurrence of the last few tokens in the prompt and the output")
-    parser.add_argument("--max-ngram-size", type=positive_int, default=3,
-                        help="With --prompt-lookup: the longest suffix looked up, in tokens")
-    parser.add_argument("--mtp", action="store_true",
-                        help="Speculative decoding with the model's own multi-token-prediction head "
-                        "(Qwen3-Next, Qwen3.5 checkpoints with mtp.* weights)")
+    add_drafter_arguments(parser)
     parser.add_argument("--num-draft-tokens", type=positive_int, default=3,
                         help="At most this many tokens drafted per target forward, each round choosing 0..N from "
                         "the measured acceptance and speed (requests may override N)")
@@ -523,10 +524,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     defaults = _check_defaults(parser, args)
-    drafters = [name for name, given in [("--prompt-lookup", args.prompt_lookup), ("--mtp", args.mtp),
-                                         ("--draft-model", args.draft_model is not None)] if given]
-    if len(drafters) > 1:
-        parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")
+    check_one_drafter(parser, args)
     origins = _parse_origins(parser, args.allowed_origins)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group = distributed.world()
