@@ -215,6 +215,19 @@ class Drafter:
 
     cache: List[Any] = []
 
+    def run_target(self, target: CachedModel) -> CachedModel:
+        """The target as the loop should run it: `target` itself, unless the drafter
+        reads more of its forwards (MTPHead: the hidden states)."""
+        return target
+
+    def prefill_run(
+        self, target: CachedModel, prompt: mx.array, prefill_step_size: int,
+        progress: Callable[[int, int], None], quantize_kv: Callable[[List[Any]], None],
+    ) -> None:
+        """Prefill the drafter, then the target (`progress` follows the target's)."""
+        self.prefill(prompt, prefill_step_size, quantize_kv)
+        prefill(target.model, prompt, target.cache, prefill_step_size, progress, quantize_kv)
+
     def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
         """Take in the prompt (1-D); afterwards the drafter holds all of it but its last token."""
         raise NotImplementedError
@@ -854,6 +867,15 @@ class MTPHead(Drafter):
         self.target.num_held, self.target.num_fed = total - 1, 0
         if feed_last_pair:
             self._feed_pairs(tokens, total - 1)
+
+    def run_target(self, target: CachedModel) -> CachedModel:
+        return self.target  # the same cache, keeping the hidden states the head reads
+
+    def prefill_run(
+        self, target: CachedModel, prompt: mx.array, prefill_step_size: int,
+        progress: Callable[[int, int], None], quantize_kv: Callable[[List[Any]], None],
+    ) -> None:
+        self.prefill_with_target(prompt, prefill_step_size, progress, quantize_kv)
 
     def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
         """Prefills the target too (see prefill_with_target)."""

@@ -22,7 +22,6 @@ from .drafters import (
     kv_quantizer,
     on_generation_stream,
     point_masses,
-    prefill,
     processed_logprobs,
     speculative_sample,
 )
@@ -398,10 +397,9 @@ def speculative_generate_step(
     drafter = make_drafter(model, draft_model, prompt_cache, prompt_lookup=prompt_lookup,
                            max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size, drafter=drafter, mtp=mtp)
     num_target = len(model.layers)
-    if isinstance(drafter, MTPHead):  # the head reads the target's hidden states
-        target = drafter.target
-    else:
-        target = CachedModel(model, prompt_cache[:num_target], model.args.vocab_size, model.args.vocab_size)
+    target = drafter.run_target(
+        CachedModel(model, prompt_cache[:num_target], model.args.vocab_size, model.args.vocab_size)
+    )
     check_can_speculate(model, target.cache, "target model")
     sampler = sampler or make_sampler()
     processors = logits_processors or []
@@ -411,11 +409,7 @@ def speculative_generate_step(
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
-    if isinstance(drafter, MTPHead):
-        drafter.prefill_with_target(prompt, prefill_step_size, progress, quantize_kv)
-    else:
-        drafter.prefill(prompt, prefill_step_size, quantize_kv)
-        prefill(model, prompt, target.cache, prefill_step_size, progress, quantize_kv)
+    drafter.prefill_run(target, prompt, prefill_step_size, progress, quantize_kv)
     sequence = prompt.tolist()  # the prompt, then every token the target committed to
     num_prompt = len(sequence)
     target.num_held = num_prompt - 1
