@@ -38,7 +38,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import PromptLookup, ids_within, point_masses, speculative_sample
+from .drafters import (
+    AcceptanceEstimate, BatchDraftLengthPolicy, PromptLookup, ids_within, point_masses, speculative_sample,
+)
 from .models.batch_cache import (
     extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
@@ -143,12 +145,11 @@ class _Sequence:
     num_draft_tokens: int = 0  # its cap on drafts per round
     speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
     speculation: Optional[RowSpeculation] = None  # its counts, when it speculates
-    misses: int = 0  # rounds in a row whose drafts were all rejected
-    skip_rounds: int = 0  # rounds left without drafting
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its drafts
+    fixed_length: bool = False  # drafts its cap every round (a seeded sample replays only so)
 
 
 GREEDY = make_sampler()  # rows with this sampler speculate by token matching
-MAX_BACK_OFF = 16  # rounds a row with rejected drafts skips drafting, at most
 
 
 def check_rollback(model: nn.Module) -> None:
@@ -214,6 +215,7 @@ class BatchGenerator:
         num_draft_tokens: int = 3,
         max_ngram_size: int = 3,
         draft_model: Optional[nn.Module] = None,
+        fixed_draft_length: bool = False,
     ):
         if completion_batch_size < 1:
             raise ValueError(f"completion_batch_size must be at least 1, got {completion_batch_size}")
@@ -239,6 +241,10 @@ class BatchGenerator:
         self.prompt_lookup, self.num_draft_tokens, self.max_ngram_size = prompt_lookup, num_draft_tokens, max_ngram_size
         self.draft_model = draft_model
         self.speculating = prompt_lookup or draft_model is not None
+        self._policy = BatchDraftLengthPolicy(adaptive=not fixed_draft_length)
+        self._draft_lag: List[mx.array] = []  # (B,) tokens of plain steps the draft has not seen
+        self._plain_round: Optional[Tuple[int, float]] = None  # the last step's (rows, start), if plain
+        self._round_timed = True  # nothing but the last round ran since it started
         # Cache lists hold the target's entries, then (with a draft model) the draft's.
         self._num_target = len(make_prompt_cache(model))
         self._num_draft = 0 if draft_model is None else len(make_prompt_cache(draft_model))
@@ -313,6 +319,7 @@ class BatchGenerator:
                              total=tokens.size, history=mx.array(seen, dtype=mx.uint32) if processors else None,
                              num_draft_tokens=num_draft_tokens)
         sequence.speculates = self.speculating and not processors
+        sequence.fixed_length = seed is not None and (sampler or self.sampler) is not GREEDY
         sequence.speculation = RowSpeculation() if sequence.speculates else None
         if self.prompt_lookup and not processors:
             sequence.lookup = PromptLookup(self.max_ngram_size, context=seen)
@@ -373,6 +380,7 @@ class BatchGenerator:
         """Feed all of `tokens` but the last (one of generate_step's chunks) to the
         sequence's caches, the draft's too. Unlike drafters.prefill it keeps MLX's
         buffer cache: the batch decoding meanwhile reuses those buffers."""
+        self._round_timed = False
         self.model(tokens[None, :-1], cache=s.cache[: self._num_target])
         if self.draft_model is not None:
             self.draft_model(self._draft_ids(tokens)[None, :-1], cache=s.cache[self._num_target :])
@@ -383,6 +391,7 @@ class BatchGenerator:
         return ids_within(tokens, self.draft_model.args.vocab_size)
 
     def _first_alone(self, s: _Sequence) -> None:
+        self._round_timed = False
         if self.draft_model is not None:
             self.draft_model(self._draft_ids(s.prompt)[None], cache=s.cache[self._num_target :])
         logits = self.model(s.prompt[None], cache=s.cache[: self._num_target])[:, -1, :]
@@ -394,7 +403,8 @@ class BatchGenerator:
     def _join_ready(self) -> None:
         if not self._ready:
             return
-        joining, self._ready = self._ready, []
+        joining, self._ready, self._round_timed = self._ready, [], False
+        self._catch_up_draft()
         merged = merge_caches([s.cache for s in joining])
         self._caches = merged if self._caches is None else extend_caches(self._caches, merged)
         if self.speculating:  # (a join comes between rounds: no rollback is pending)
@@ -413,11 +423,17 @@ class BatchGenerator:
         self._join_ready()
         if not self._active:
             return []
+        committed = False  # whether the lookups have this step's tokens
         if self.speculating:
-            fed = self._tokens.tolist()  # drafting needs each row's token now
-            drafts = self._drafts(fed) if self.prompt_lookup else self._model_drafts(fed)
-            if any(drafts):
-                return self._speculative_step(fed, drafts)
+            rooms = self._rooms()
+            if any(rooms):  # (else a plain step, pipelined as without speculation)
+                fed = self._tokens.tolist()  # drafting needs each row's token now (the last round is done)
+                self._learn_plain_round()
+                start = time.perf_counter()
+                drafts = self._drafts(fed, rooms) if self.prompt_lookup else self._model_drafts(fed, rooms)
+                if any(drafts):
+                    return self._speculative_step(fed, drafts, start)
+                committed = True
         fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
         for i, s in enumerate(self._active):
             s.num_in_cache += 1
@@ -426,15 +442,21 @@ class BatchGenerator:
             if s.history is not None and emit[i]:
                 s.history = mx.concatenate([s.history, fed[i : i + 1]])
         make_room(self._caches, 1)
-        if self.draft_model is not None:  # the draft sees every token too
-            mx.async_eval(self.draft_model(self._draft_ids(fed)[:, None], cache=self._caches[self._num_target :]))
+        if self.draft_model is not None:  # it gets this token when it next drafts (_catch_up_draft)
+            self._draft_lag.append(fed)
         logits = self.model(fed[:, None], cache=self._caches[: self._num_target])[:, -1, :]  # (B, V)
         self._tokens, logprobs = self._sample(logits)
         mx.async_eval(self._tokens, logprobs)
         self._logprobs = [logprobs[i] for i in range(len(self._active))]
         self._emit = [True] * len(self._active)
         responses, finished = [], []
-        for i, (s, token) in enumerate(zip(self._active, fed.tolist())):
+        fed = fed.tolist()  # the last round's tokens, while this one computes
+        if self.speculating:
+            self._learn_plain_round()
+            self._plain_round = (len(self._active), time.perf_counter())
+        for i, (s, token) in enumerate(zip(self._active, fed)):
+            if s.lookup is not None and emit[i] and not committed:
+                s.lookup.extend([token])
             if emit[i] and self._emit_token(s, token, fed_logprobs[i], responses):
                 finished.append(i)
         self._retire(finished, responses)
@@ -450,6 +472,8 @@ class BatchGenerator:
 
     def _retire(self, rows: List[int], responses: List[Response]) -> None:
         """Finished rows leave the batch; their last responses carry their caches if asked."""
+        if rows:
+            self._catch_up_draft()
         if self.return_prompt_caches:
             last = {r.uid: r for r in responses}
             for i in rows:
@@ -458,48 +482,51 @@ class BatchGenerator:
 
     # ------------------------------------------------------------------ speculation
 
-    def _drafts(self, fed: List[int]) -> List[List[int]]:
+    def _drafts(self, fed: List[int], rooms: List[int]) -> List[List[int]]:
         """Each speculating row commits its token about to be fed and looks up drafts
-        (no more than its remaining max_tokens can take)."""
+        (at most its room)."""
         drafts = []
-        for i, s in enumerate(self._active):
+        for i, (s, room) in enumerate(zip(self._active, rooms)):
             if not s.speculates:
                 drafts.append([])
                 continue
             if self._emit[i]:
                 s.lookup.extend([fed[i]])
-            room = self._draft_room(i, s)
             drafts.append(s.lookup.lookup(room) if room > 0 else [])
         return drafts
 
-    def _draft_room(self, i: int, s: _Sequence) -> int:
-        """How many drafts row i may verify this round: none while it backs off (after
-        rounds whose drafts were all rejected), else its cap within max_tokens."""
-        if not s.speculates:
-            return 0
-        if s.skip_rounds:
-            s.skip_rounds -= 1
-            return 0
-        room = s.num_draft_tokens
-        if s.max_tokens != -1:
-            room = min(room, s.max_tokens - s.num_generated - self._emit[i])
-        return max(room, 0)
+    def _rooms(self) -> List[int]:
+        """How many drafts each row may verify this round: a fixed-length row its cap,
+        the others the batch policy's K (within their caps); 0 if it does not
+        speculate. Which rounds draft how much never changes what a row emits
+        (greedy) or its law (sampling)."""
+        caps = []
+        for i, s in enumerate(self._active):
+            cap = s.num_draft_tokens if s.speculates else 0
+            if s.max_tokens != -1:
+                cap = min(cap, s.max_tokens - s.num_generated - self._emit[i])
+            caps.append(max(cap, 0))
+        following = [(s.acceptance.value, cap) for s, cap in zip(self._active, caps) if cap and not s.fixed_length]
+        k = self._policy.choose(len(self._active), following)
+        return [cap if s.fixed_length else min(cap, k) for s, cap in zip(self._active, caps)]
 
-    @staticmethod
-    def _back_off(s: _Sequence, num_accepted: int) -> None:
-        """After n rounds in a row with every draft rejected, skip the next 2^(n-1)
-        rounds (at most MAX_BACK_OFF): a wasted verify costs a wider forward. Which
-        rounds draft never changes what a row emits (greedy) or its law (sampling)."""
-        s.misses = 0 if num_accepted else s.misses + 1
-        s.skip_rounds = min(1 << (s.misses - 1), MAX_BACK_OFF) if s.misses else 0
+    def _learn_plain_round(self) -> None:
+        """The policy learns the last plain step, if it was one, once its tokens are
+        read (its forward is done): its seconds from the same point of the step before
+        (pipelined, a step's forward runs between the two), if nothing else ran
+        meanwhile (a prefill, rows joining or leaving)."""
+        if self._plain_round is not None:
+            num_rows, start = self._plain_round
+            self._policy.update(num_rows, 0, 0, False, time.perf_counter() - start if self._round_timed else None)
+        self._plain_round, self._round_timed = None, True
 
-    def _model_drafts(self, fed: List[int]) -> List[List[int]]:
+    def _model_drafts(self, fed: List[int], rooms: List[int]) -> List[List[int]]:
         """The draft model's greedy continuation of every row (a point mass, so sampling
         rows keep the target's law), K = the largest room steps for all rows at once."""
-        rooms = [self._draft_room(i, s) for i, s in enumerate(self._active)]
         num_steps = max(rooms)
         if not num_steps:
             return [[] for _ in rooms]
+        self._catch_up_draft()
         draft_cache, vocab = self._caches[self._num_target :], self.model.args.vocab_size
         # Room for the whole round now: a window may only drop columns before it begins
         # (the rollback goes back to its start).
@@ -513,6 +540,18 @@ class BatchGenerator:
         drafted = self._full_drafts.tolist()
         return [d[:room] for d, room in zip(drafted, rooms)]
 
+    def _catch_up_draft(self) -> None:
+        """Feed the draft, in one forward, the tokens plain steps gave the target alone
+        (a plain step costs no draft forward). Every row lags by as many: this runs
+        before rows join or leave and before the draft drafts."""
+        if not self._draft_lag:
+            return
+        tokens, self._draft_lag = mx.stack(self._draft_lag, axis=1), []
+        draft_cache = self._caches[self._num_target :]
+        make_room(draft_cache, tokens.shape[1])
+        self.draft_model(self._draft_ids(tokens), cache=draft_cache)
+        mx.async_eval([c.state for c in draft_cache])
+
     def _settle_draft(self, kept: List[int], drafts: List[List[int]]) -> None:
         """The draft fed each row its token and K - 1 drafts; keep what the target kept
         (a row that kept all K drafts first gets the last one fed)."""
@@ -523,7 +562,7 @@ class BatchGenerator:
             num_fed += 1
         trim_rows(draft_cache, [num_fed - k for k in kept])
 
-    def _speculative_step(self, fed: List[int], drafts: List[List[int]]) -> List[Response]:
+    def _speculative_step(self, fed: List[int], drafts: List[List[int]], start: float) -> List[Response]:
         """Feed every row its token and drafts (padded to the longest) in one forward;
         each row accepts drafts by its own rule (_decide) and forgets the rest."""
         num_columns = 1 + max(len(d) for d in drafts)
@@ -533,6 +572,7 @@ class BatchGenerator:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1): the greedy rows' targets
         responses, finished, trims, tokens, next_logprobs = [], [], [], [], []
+        all_accepted, round_accepted = True, 0
         for i, s in enumerate(self._active):
             num_accepted, token, token_logprobs = self._decide(i, s, drafts[i], logits, logprobs, greedy[i])
             self._stats.draft_tokens += len(drafts[i])
@@ -540,7 +580,9 @@ class BatchGenerator:
             if s.speculation is not None:
                 s.speculation.add_round(len(drafts[i]), num_accepted)
             if drafts[i]:
-                self._back_off(s, num_accepted)
+                s.acceptance.update(len(drafts[i]), num_accepted)
+                all_accepted = all_accepted and num_accepted == len(drafts[i])
+                round_accepted += num_accepted
             tokens.append(token)
             next_logprobs.append(token_logprobs)
             kept, done = self._commit(i, s, fed[i], drafts[i][:num_accepted], logprobs, responses)
@@ -555,6 +597,10 @@ class BatchGenerator:
             self._settle_draft([num_columns - t for t in trims], drafts)
         self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
+        # Learned now, fully synced (its host work included), so the next choice knows it.
+        self._policy.update(len(self._active), num_columns - 1, round_accepted, all_accepted,
+                            time.perf_counter() - start if self._round_timed else None)
+        self._round_timed = True
         self._retire(finished, responses)
         return responses
 
@@ -603,6 +649,7 @@ class BatchGenerator:
     def _drop_rows(self, rows: List[int]) -> None:
         if not rows:
             return
+        self._round_timed = False  # the next forward also evaluates the filtered caches
         keep = [i for i in range(len(self._active)) if i not in set(rows)]
         self._active = [self._active[i] for i in keep]
         self._logprobs = [self._logprobs[i] for i in keep]
@@ -648,6 +695,8 @@ class BatchGenerator:
                 stage.remove(s)
                 removed[s.uid] = (s.cache, s.num_in_cache)
         rows = [i for i, s in enumerate(self._active) if s.uid in wanted]
+        if rows:
+            self._catch_up_draft()
         for i in rows:
             s = self._active[i]
             removed[s.uid] = (extract_caches(self._caches, i) if return_prompt_caches else None, s.num_in_cache)
@@ -657,6 +706,7 @@ class BatchGenerator:
     def extract_cache(self, uids: Sequence[int]) -> Dict[int, List[Any]]:
         """Copies of the caches of active sequences `uids`, which keep running."""
         rows = {s.uid: i for i, s in enumerate(self._active)}
+        self._catch_up_draft()
         return {uid: extract_caches(self._caches, rows[uid]) for uid in uids if uid in rows}
 
     def stats(self) -> BatchStats:
@@ -670,6 +720,7 @@ class BatchGenerator:
         self._queued.clear()
         self._prefilling, self._ready, self._active = [], [], []
         self._caches, self._tokens, self._logprobs, self._emit = None, None, [], []
+        self._draft_lag, self._plain_round = [], None
 
 
 def batch_generate(

@@ -555,6 +555,65 @@ def best_draft_length(a: float, costs: List[float]) -> int:
     return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
 
+class AcceptanceEstimate:
+    """Per-draft acceptance probability from exponentially weighted (successes,
+    failures) of drafting rounds (acceptance_evidence), each round weighing
+    1 - 1/memory of the one after it; the counts start at the prior, which is
+    forgotten like old evidence."""
+
+    def __init__(self, prior_accepted: float = 1.0, prior_rejected: float = 1.0, memory: float = 8.0):
+        self.successes, self.failures = prior_accepted, prior_rejected
+        self.decay = 1.0 - 1.0 / memory
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        successes, failures = acceptance_evidence(num_draft, num_accepted)
+        self.successes = self.decay * self.successes + successes
+        self.failures = self.decay * self.failures + failures
+
+    @property
+    def value(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+
+class RoundCosts:
+    """Seconds of a round per draft length k (0..max_draft_tokens): an exponentially
+    weighted mean of the log seconds of the rounds that drafted k, which follows falls
+    quickly (over about `memory_falling` rounds) and rises slowly (about
+    `memory_rising` rounds, each rise clipped to a factor of 2). Interference only
+    ever adds time, so it tracks what k costs undisturbed. Unmeasured ks are
+    interpolated (interpolated_costs)."""
+
+    def __init__(self, max_draft_tokens: int, memory_falling: float = 2.0, memory_rising: float = 8.0,
+                 prior_cost_per_draft: float = 0.3):
+        self.rate_falling, self.rate_rising = 1.0 / memory_falling, 1.0 / memory_rising
+        self.prior_cost_per_draft = prior_cost_per_draft
+        self.log_seconds: List[Optional[float]] = [None] * (max_draft_tokens + 1)
+
+    def learn(self, k: int, seconds: float) -> None:
+        log_seconds = math.log(seconds)
+        self.log_seconds += [None] * (k + 1 - len(self.log_seconds))
+        if self.log_seconds[k] is None:
+            self.log_seconds[k] = log_seconds
+            return
+        error = log_seconds - self.log_seconds[k]
+        if error < 0:
+            self.log_seconds[k] += self.rate_falling * error
+        else:
+            self.log_seconds[k] += self.rate_rising * min(error, math.log(2))
+
+    @property
+    def measured(self) -> bool:
+        return any(s is not None for s in self.log_seconds)
+
+    def costs(self, max_draft_tokens: Optional[int] = None) -> List[float]:
+        """Seconds of a round drafting k, for every k up to max_draft_tokens (default:
+        the largest learned or set up): measured or interpolated (in units of nothing
+        in particular before any round was measured)."""
+        size = len(self.log_seconds) if max_draft_tokens is None else max_draft_tokens + 1
+        logs = (self.log_seconds + [None] * size)[:size]
+        return interpolated_costs([None if s is None else math.exp(s) for s in logs], self.prior_cost_per_draft)
+
+
 class DraftLengthPolicy:
     """Chooses how many tokens to draft each round, from what past rounds showed.
 
@@ -573,14 +632,12 @@ class DraftLengthPolicy:
     still look worth a cheap draft step. Plain rounds (k = 0) tell nothing about a
     and leave the counts as they were.
 
-    Cost: for each k, an exponentially weighted mean of the log seconds that rounds
-    drafting k took: k draft steps and a (k+1)-token verify, whatever the loop around
-    them costs, no model of the split needed. Interference (another process, a page
-    fault, the previous round's lazy rewind evaluated in this one) only ever adds time,
-    so the mean follows falls quickly (over about `cost_memory_falling` rounds) and
-    rises slowly (about `cost_memory_rising` rounds, each rise clipped to a factor of
-    2): it tracks what k costs undisturbed, and one slow round cannot make a k look
-    bad for long. Costs of ks not measured yet are interpolated (interpolated_costs).
+    Cost: for each k, the seconds rounds drafting k took (RoundCosts): k draft steps
+    and a (k+1)-token verify, whatever the loop around them costs, no model of the
+    split needed. Interference (another process, a page fault, the previous round's
+    lazy rewind evaluated in this one) only ever adds time, so the estimate follows
+    falls quickly (over about `cost_memory_falling` rounds) and rises slowly (about
+    `cost_memory_rising` rounds): one slow round cannot make a k look bad for long.
     The first round's time is not learned from: it carries one-off work (allocations,
     first calls).
 
@@ -632,13 +689,8 @@ class DraftLengthPolicy:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
         self.probe_interval = probe_interval
-        self.acceptance_decay = 1.0 - 1.0 / acceptance_memory
-        self.cost_rate_falling = 1.0 / cost_memory_falling
-        self.cost_rate_rising = 1.0 / cost_memory_rising
-        self.prior_cost_per_draft = prior_cost_per_draft
-        self.successes = prior_accepted
-        self.failures = prior_rejected
-        self.log_seconds: List[Optional[float]] = [None] * (max_draft_tokens + 1)
+        self.acceptance = AcceptanceEstimate(prior_accepted, prior_rejected, acceptance_memory)
+        self.costs = RoundCosts(max_draft_tokens, cost_memory_falling, cost_memory_rising, prior_cost_per_draft)
         self.counts = [0] * (max_draft_tokens + 1)  # rounds that drafted k, per k
         self.num_accepted = 0
         self.last_round_all_accepted = False
@@ -677,11 +729,9 @@ class DraftLengthPolicy:
         if not round_seconds > 0:
             raise ValueError(f"round_seconds must be > 0, got {round_seconds}")
         if self.num_rounds > 0:  # the first round carries one-off work
-            self._learn_cost(num_draft, math.log(round_seconds))
+            self.costs.learn(num_draft, round_seconds)
         if num_draft > 0:
-            successes, failures = acceptance_evidence(num_draft, num_accepted)
-            self.successes = self.acceptance_decay * self.successes + successes
-            self.failures = self.acceptance_decay * self.failures + failures
+            self.acceptance.update(num_draft, num_accepted)
         self.counts[num_draft] += 1
         self.num_accepted += num_accepted
         self.last_round_all_accepted = 0 < num_draft == num_accepted
@@ -695,19 +745,15 @@ class DraftLengthPolicy:
     @property
     def acceptance_estimate(self) -> float:
         """The per-draft acceptance probability a, from the weighted counts."""
-        return self.successes / (self.successes + self.failures)
+        return self.acceptance.value
 
     def round_costs(self) -> List[float]:
-        """Seconds of a round drafting k, for every k: measured or interpolated (in
-        units of nothing in particular before any round was measured)."""
-        measured = [None if s is None else math.exp(s) for s in self.log_seconds]
-        return interpolated_costs(measured, self.prior_cost_per_draft)
+        """Seconds of a round drafting k, for every k (RoundCosts.costs)."""
+        return self.costs.costs()
 
     def expected_round_seconds(self, k: int) -> Optional[float]:
         """Predicted seconds of a round drafting k; None before any cost was learned."""
-        if all(s is None for s in self.log_seconds):
-            return None
-        return self.round_costs()[k]
+        return self.round_costs()[k] if self.costs.measured else None
 
     @property
     def num_rounds(self) -> int:
@@ -733,22 +779,108 @@ class DraftLengthPolicy:
             return self._neighbour(best, upward=probe % 2 == 1)
         return best
 
-    def _learn_cost(self, k: int, log_seconds: float) -> None:
-        if self.log_seconds[k] is None:
-            self.log_seconds[k] = log_seconds
-            return
-        error = log_seconds - self.log_seconds[k]
-        if error < 0:
-            self.log_seconds[k] += self.cost_rate_falling * error
-        else:
-            self.log_seconds[k] += self.cost_rate_rising * min(error, math.log(2))
-
     def _neighbour(self, k: int, *, upward: bool) -> int:
-        """k + 1 if upward else k - 1, or the other one at the ends of 0..max."""
-        candidate = k + 1 if upward else k - 1
-        if not 0 <= candidate <= self.max_draft_tokens:
-            candidate = k - 1 if upward else k + 1
-        return min(max(candidate, 0), self.max_draft_tokens)
+        return neighbour(k, self.max_draft_tokens, upward=upward)
+
+
+def neighbour(k: int, max_draft_tokens: int, *, upward: bool) -> int:
+    """k + 1 if upward else k - 1, or the other one at the ends of 0..max_draft_tokens."""
+    candidate = k + 1 if upward else k - 1
+    if not 0 <= candidate <= max_draft_tokens:
+        candidate = k - 1 if upward else k + 1
+    return min(max(candidate, 0), max_draft_tokens)
+
+
+class BatchDraftLengthPolicy:
+    """Chooses how many draft steps a batch takes each round (`batching.BatchGenerator`):
+    every row that follows it drafts min(K, its room), one forward verifies all rows.
+
+    A round's tokens come from every row, its cost from the whole batch: a B-row
+    verify of K + 1 columns costs what B(K + 1) tokens cost, padding included, and on
+    a machine where a wide forward is compute bound that can exceed what the accepted
+    drafts save. So K maximizes the batch's expected tokens per second,
+
+        sum over rows of expected_tokens(a_row, min(K, room_row)) / cost_B(K),
+
+    with each row's own acceptance a_row (an AcceptanceEstimate the generator keeps
+    per row) and the round costs learned per batch size B (a RoundCosts each, from
+    the generator's timings; a B not measured yet borrows the nearest measured B's,
+    since only their ratios across K matter). K = 0 is a plain step. After every
+    `probe_interval` rounds a neighbour of the best K is tried instead (K + 1 and
+    K - 1 in turn, K = 1 from 0), so costs stay measured and rows whose drafts start
+    agreeing again are noticed. While the best is 0, a probe that had nothing
+    accepted doubles the interval to the next (up to `max_probe_interval`: a draft
+    that never agrees then costs a probe every few hundred rounds), one that had
+    anything accepted resets it, and one whose drafts were all accepted is followed
+    by another at once. The choice is called once a round: it counts the rounds to
+    the next probe. With adaptive=False, K is the largest room (every row drafts its
+    cap).
+    """
+
+    def __init__(self, *, adaptive: bool = True, probe_interval: int = 16, max_probe_interval: int = 256,
+                 cost_memory_falling: float = 2.0, cost_memory_rising: float = 8.0, prior_cost_per_draft: float = 0.3):
+        if not 2 <= probe_interval <= max_probe_interval:
+            raise ValueError(f"need 2 <= probe_interval <= max_probe_interval, got {probe_interval} and "
+                             f"{max_probe_interval}")
+        self.adaptive, self.probe_interval, self.max_probe_interval = adaptive, probe_interval, max_probe_interval
+        self._cost_settings = (cost_memory_falling, cost_memory_rising, prior_cost_per_draft)
+        self.costs: Dict[int, RoundCosts] = {}  # batch size -> its round costs
+        self.counts: List[int] = []  # rounds per K
+        self.last_round_all_accepted = False
+        self.interval = probe_interval  # rounds from one probe to the next
+        self._rounds_to_probe = probe_interval
+        self._num_probes = 0
+        self._probe_from_plain = False  # the last choice was a probe while the best was 0
+
+    @property
+    def num_rounds(self) -> int:
+        return sum(self.counts)
+
+    def choose(self, batch_size: int, rows: Sequence[Tuple[float, int]]) -> int:
+        """K for a round of `batch_size` rows, of which `rows` (acceptance, room) follow
+        the policy."""
+        max_k = max((room for _, room in rows), default=0)
+        if not max_k or not self.adaptive:
+            return max_k
+        costs = self._costs_near(batch_size).costs(max_k)
+        rates = [sum(expected_tokens(a, min(k, room)) for a, room in rows) / costs[k] for k in range(max_k + 1)]
+        best = max(range(max_k + 1), key=lambda k: (rates[k], -k))
+        self._rounds_to_probe -= 1
+        if (best == 0 and self.last_round_all_accepted) or self._rounds_to_probe <= 0:
+            self._rounds_to_probe, self._num_probes = self.interval, self._num_probes + 1
+            self._probe_from_plain = best == 0
+            return neighbour(best, max_k, upward=self._num_probes % 2 == 1)
+        self._probe_from_plain = False
+        return best
+
+    def update(self, batch_size: int, k: int, num_accepted: int, all_accepted: bool,
+               round_seconds: Optional[float]) -> None:
+        """Learn from a round of `batch_size` rows that took k draft steps: how many
+        drafts the rows accepted, whether every draft was, and `round_seconds` (None:
+        not timed, e.g. a prefill ran in between)."""
+        self.counts += [0] * (k + 1 - len(self.counts))
+        self.counts[k] += 1
+        self.last_round_all_accepted = k > 0 and all_accepted
+        if k > 0 and self._probe_from_plain:
+            self._probe_from_plain = False
+            self.interval = self.probe_interval if num_accepted else min(2 * self.interval, self.max_probe_interval)
+            self._rounds_to_probe = self.interval
+        if round_seconds is not None and round_seconds > 0:
+            if batch_size not in self.costs:
+                self.costs[batch_size] = RoundCosts(k, *self._cost_settings)
+            self.costs[batch_size].learn(k, round_seconds)
+
+    @property
+    def mean_draft_length(self) -> float:
+        rounds = self.num_rounds
+        return sum(k * n for k, n in enumerate(self.counts)) / rounds if rounds else 0.0
+
+    def _costs_near(self, batch_size: int) -> RoundCosts:
+        if batch_size in self.costs:
+            return self.costs[batch_size]
+        if not self.costs:
+            return RoundCosts(0, *self._cost_settings)
+        return self.costs[min(self.costs, key=lambda b: (abs(b - batch_size), b))]
 
 
 # ---------------------------------------------------------------------------

@@ -557,8 +557,10 @@ class BatchWorker(GenerationWorker):
     served); a request for another model (--allow-other-models) runs alone, in its
     turn, once the requests before it have finished. With --prompt-lookup or a
     --draft-model (attention caches only, see `can_batch`), requests without penalties
-    speculate inside the batch (each row drafts, at most its num_draft_tokens a round,
-    one forward verifies all rows, each keeps its own accepted prefix).
+    speculate inside the batch (each row drafts, at most its num_draft_tokens a round:
+    as many as the batch's draft-length policy finds fastest, or all of them with
+    --fixed-draft-length or a seed; one forward verifies all rows, each keeps its own
+    accepted prefix).
 
     Per request, as the one-at-a-time worker does: its own sampler, penalties and seed
     (a seeded sample does not depend on what else is in the batch), stop strings,
@@ -568,9 +570,10 @@ class BatchWorker(GenerationWorker):
     next step; the others go on undisturbed."""
 
     def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, max_batch_size: int = 8,
-                 default_num_draft_tokens: int = 3, prompt_lookup: bool = False, max_ngram_size: int = 3):
-        super().__init__(provider, prefill_step_size, default_num_draft_tokens, prompt_lookup=prompt_lookup,
-                         max_ngram_size=max_ngram_size)
+                 default_num_draft_tokens: int = 3, prompt_lookup: bool = False, max_ngram_size: int = 3,
+                 fixed_draft_length: bool = False):
+        super().__init__(provider, prefill_step_size, default_num_draft_tokens, fixed_draft_length, prompt_lookup,
+                         max_ngram_size)
         self.max_batch_size = max_batch_size
         self.backlog: "deque[Job]" = deque()
         self.streams: Dict[int, _Stream] = {}
@@ -582,7 +585,7 @@ class BatchWorker(GenerationWorker):
             served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
             prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
             num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
-            draft_model=served.draft_model,
+            draft_model=served.draft_model, fixed_draft_length=self.fixed_draft_length,
         )
 
     def run_forever(self) -> None:

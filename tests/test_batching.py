@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from checkpoints import TINY_CONFIGS
 from mlx_lm import batching
 from mlx_lm.batching import BatchGenerator, batch_generate
+from mlx_lm.drafters import BatchDraftLengthPolicy
 from mlx_lm.generate import generate_step
 from mlx_lm.models.batch_cache import (
     _AlignedKV, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,
@@ -412,6 +413,30 @@ def test_draft_model_in_the_batch_equals_solo(name, draft_of, monkeypatch):
         assert_same_caches(caches[i][num_target:], fresh)
 
 
+def test_a_draft_that_sits_out_plain_steps_catches_up(monkeypatch):
+    """A draft that rarely agrees (a round drafting K costing 1 + K/2 plain steps, a
+    deterministic clock): the batch decodes plainly most rounds, the draft fed only the
+    tokens it missed when it next drafts or a row joins or leaves, in one forward.
+    Answers equal solo runs; every row's draft cache holds its prompt and answer."""
+    monkeypatch.setattr(_AlignedKV, "step", 8)
+    learn = BatchDraftLengthPolicy.update
+    monkeypatch.setattr(BatchDraftLengthPolicy, "update",
+                        lambda self, rows, k, num, every, seconds: learn(self, rows, k, num, every, 1 + k / 2))
+    model, draft = tiny_model("qwen3"), perturbed("qwen3", noise=0.5)
+    lengths, budgets = [14, 5, 22, 9], [40, 25, 7, 30]
+    prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
+    answers = [solo(model, p, b) for p, b in zip(prompts, budgets)]
+    generator = BatchGenerator(model, completion_batch_size=3, draft_model=draft, return_prompt_caches=True)
+    out, caches = generate_all(generator, prompts, budgets)
+    assert out == answers
+    assert 0 < generator.stats().draft_tokens < 20  # mostly plain steps
+    num_target = len(make_prompt_cache(model))
+    for p, a, cache in zip(prompts, answers, caches):
+        fresh = make_prompt_cache(draft)
+        draft(mx.array(p + a)[None], cache=fresh)
+        assert_same_caches(cache[num_target:], fresh)
+
+
 def test_draft_model_must_batch_its_caches():
     with pytest.raises(ValueError, match="attention caches only"):
         BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3_next"))
@@ -473,13 +498,26 @@ def test_quantized_kv_rows_batch_and_equal_solo():
         assert isinstance(cache[0], QuantizedKVCache) and cache[0].offset == len(p) + len(a)
 
 
-def test_rows_whose_drafts_keep_failing_back_off(monkeypatch):
+def test_a_batch_stops_drafting_what_is_never_accepted(monkeypatch):
+    """Lookups that never agree: each row's acceptance estimate falls and, with a
+    verify of K + 1 columns costing more than a plain step (the policy's clock made
+    deterministic: a round drafting K takes 1 + K/2), the batch drafts in a few
+    rounds, then only in its probes; the tokens are the solo runs'."""
     model = tiny_model("qwen3")
-    p = prompt(5, 31)
-    want = solo(model, p, 30)
-    never = next(t for t in range(1, 200) if t not in want)
+    prompts = [prompt(5, 31), prompt(9, 32)]
+    wants = [solo(model, p, 40) for p in prompts]
+    never = next(t for t in range(1, 200) if all(t not in w for w in wants))
     monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(never))
-    generator = BatchGenerator(model, max_tokens=30, prompt_lookup=True, num_draft_tokens=3)
-    assert generate_all(generator, [p], 30)[0][0] == want
-    # Rounds 1, 3, 6, 11, 20 draft (each miss doubles the rounds skipped); not all 30.
-    assert generator.stats().accepted_tokens == 0 and generator.stats().draft_tokens == 5
+    learn = BatchDraftLengthPolicy.update
+    monkeypatch.setattr(BatchDraftLengthPolicy, "update",
+                        lambda self, rows, k, num, every, seconds: learn(self, rows, k, num, every, 1 + k / 2))
+    generator = BatchGenerator(model, max_tokens=40, prompt_lookup=True, num_draft_tokens=3)
+    assert generate_all(generator, prompts, 40)[0] == wants
+    stats = generator.stats()
+    # Two rounds of one draft a row (the prior, then one miss), then one probe 16 rounds on
+    # (the next would come 32 later).
+    assert stats.accepted_tokens == 0 and stats.draft_tokens == 2 * 3
+    # Fixed: every row drafts every round (a FixedLookup has one draft).
+    generator = BatchGenerator(model, max_tokens=40, prompt_lookup=True, num_draft_tokens=3, fixed_draft_length=True)
+    assert generate_all(generator, prompts, 40)[0] == wants
+    assert generator.stats().draft_tokens == 2 * 40

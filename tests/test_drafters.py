@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from draft_policy_sim import CAP, PROFILES, fixed_rates, simulate  # noqa: E402
 
 from mlx_lm.drafters import (  # noqa: E402
+    BatchDraftLengthPolicy,
     DraftLengthPolicy,
     PromptLookup,
     acceptance_evidence,
@@ -265,3 +266,46 @@ def test_prompt_lookup_rejects_bad_sizes():
     for sizes in ((0, 1), (2, 3), (3, 0)):
         with pytest.raises(ValueError, match="min_ngram_size <= max_ngram_size"):
             PromptLookup(*sizes)
+
+
+def test_batch_policy_weighs_the_whole_batch():
+    """A batch's K maximizes the rows' expected tokens per second of a round at that
+    batch size: a good draft pays with one row (a wide verify is nearly free) and not
+    with eight on a compute-bound machine (a verify of K + 1 columns costs K + 1 steps)."""
+    policy = BatchDraftLengthPolicy()
+    for _ in range(3):
+        for k in range(4):
+            policy.update(1, k, 0, False, 1.0 + 0.1 * k)
+            policy.update(8, k, 0, False, 1.0 + k)
+    good = (0.8, 3)  # (acceptance, room)
+    assert policy.choose(1, [good]) == 3
+    assert policy.choose(8, [good] * 8) == 0
+    assert policy.choose(2, [good] * 2) == 3  # borrows the nearest batch size's costs
+    assert policy.choose(1, [(0.0, 3)]) == 0
+    assert policy.choose(1, [good, (0.8, 1)]) == 3  # each row's room caps its own drafts
+    assert policy.choose(1, []) == 0  # no row follows the policy (and no round counted)
+    fixed = BatchDraftLengthPolicy(adaptive=False)
+    assert fixed.choose(8, [good, (0.0, 2)]) == 3
+    with pytest.raises(ValueError, match="probe_interval"):
+        BatchDraftLengthPolicy(probe_interval=1)
+
+
+def test_batch_policy_probes_less_often_while_probes_fail():
+    """From K = 0 a probe (K = 1) comes after 16 rounds; each probe with nothing
+    accepted doubles the wait (to at most 256), one with an acceptance resets it, and
+    one with every draft accepted is followed by another at once."""
+    policy = BatchDraftLengthPolicy()
+    bad = [(0.0, 3)] * 4
+
+    def rounds_to_next_probe(accepted_at_probe):
+        for n in range(1, 1000):
+            k = policy.choose(4, bad)
+            policy.update(4, k, accepted_at_probe if k else 0, accepted_at_probe == 4 and k > 0, 1.0 + k)
+            if k:
+                return n
+
+    waits = [rounds_to_next_probe(0) for _ in range(7)]
+    assert waits == [16, 32, 64, 128, 256, 256, 256]
+    rounds_to_next_probe(1)  # something accepted: back to every 16 rounds
+    assert rounds_to_next_probe(0) == 16
+    assert rounds_to_next_probe(4) == 32 and rounds_to_next_probe(0) == 1  # all accepted: at once

@@ -30,12 +30,12 @@ def model_dirs(tmp_path_factory):
 _workers = {}
 
 
-def worker_for(model_dirs, name, max_batch_size=3, prompt_lookup=False):
-    key = (name, max_batch_size, prompt_lookup)
+def worker_for(model_dirs, name, max_batch_size=3, prompt_lookup=False, fixed_draft_length=False):
+    key = (name, max_batch_size, prompt_lookup, fixed_draft_length)
     if key not in _workers:
         provider = ModelProvider(str(model_dirs[name]), None, False, 10, 1 << 40, None)
         _workers[key] = BatchWorker(provider, prefill_step_size=8, max_batch_size=max_batch_size,
-                                    prompt_lookup=prompt_lookup)
+                                    prompt_lookup=prompt_lookup, fixed_draft_length=fixed_draft_length)
     return _workers[key]
 
 
@@ -204,8 +204,10 @@ def test_max_batch_size_flag():
     assert setup_arg_parser().parse_args(["--model", "m", "--max-batch-size", "1"]).max_batch_size == 1
 
 
-@pytest.mark.parametrize("flags", [[], ["--prompt-lookup"]])
+@pytest.mark.parametrize("flags", [[], ["--prompt-lookup"], ["--draft-model"]])
 def test_http_concurrent_clients(model_dirs, tmp_path, flags):
+    if flags == ["--draft-model"]:  # an attention-only draft speculates inside the batch
+        flags = flags + [str(write_checkpoint(tmp_path / "draft", TINY_CONFIGS["qwen3"], scale=0.45))]
     server = start_server("batched", model_dirs["dense"], tmp_path / "server.log",
                           flags=["--max-tokens", str(MAX_TOKENS), "--max-batch-size", "4", *flags]).wait_ready()
     try:
@@ -265,7 +267,7 @@ def test_stop_string_inside_a_speculated_step(model_dirs, monkeypatch):
     from mlx_lm import batching
     from mlx_lm.generate import generate_step
 
-    worker = worker_for(model_dirs, "dense", prompt_lookup=True)
+    worker = worker_for(model_dirs, "dense", prompt_lookup=True, fixed_draft_length=True)  # 3 drafts a round
     served = worker.provider.default
     served.prompt_cache = type(served.prompt_cache)(10)
     messages = user("Stop me in the middle.")

@@ -32,7 +32,8 @@ TIMEOUT = 2  # --request-timeout of the test servers, seconds
 MAX_CONNECTIONS = 24
 GOOD_ORIGIN = "http://good.example"
 FLAGS = ["--max-tokens", str(MAX_TOKENS), "--request-timeout", str(TIMEOUT),
-         "--max-connections", str(MAX_CONNECTIONS), "--allowed-origins", GOOD_ORIGIN]
+         "--max-connections", str(MAX_CONNECTIONS), "--allowed-origins", GOOD_ORIGIN,
+         "--max-batch-size", "1"]  # one at a time: later requests queue (the probes, the backlog)
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
