@@ -420,6 +420,9 @@ class BatchGenerator:
         self._active += joining
 
     def _decode_step(self) -> List[Response]:
+        if self.speculating:
+            self._learn_plain_round()
+        top = time.perf_counter()
         self._join_ready()
         if not self._active:
             return []
@@ -428,7 +431,6 @@ class BatchGenerator:
             rooms = self._rooms()
             if any(rooms):  # (else a plain step, pipelined as without speculation)
                 fed = self._tokens.tolist()  # drafting needs each row's token now (the last round is done)
-                self._learn_plain_round()
                 start = time.perf_counter()
                 drafts = self._drafts(fed, rooms) if self.prompt_lookup else self._model_drafts(fed, rooms)
                 if any(drafts):
@@ -452,8 +454,7 @@ class BatchGenerator:
         responses, finished = [], []
         fed = fed.tolist()  # the last round's tokens, while this one computes
         if self.speculating:
-            self._learn_plain_round()
-            self._plain_round = (len(self._active), time.perf_counter())
+            self._plain_round = (len(self._active), top)
         for i, (s, token) in enumerate(zip(self._active, fed)):
             if s.lookup is not None and emit[i] and not committed:
                 s.lookup.extend([token])
@@ -511,10 +512,10 @@ class BatchGenerator:
         return [cap if s.fixed_length else min(cap, k) for s, cap in zip(self._active, caps)]
 
     def _learn_plain_round(self) -> None:
-        """The policy learns the last plain step, if it was one, once its tokens are
-        read (its forward is done): its seconds from the same point of the step before
-        (pipelined, a step's forward runs between the two), if nothing else ran
-        meanwhile (a prefill, rows joining or leaving)."""
+        """The policy learns the last step, if it was plain, at the top of this one:
+        its seconds from its own top, if nothing else ran meanwhile (a prefill, rows
+        joining or leaving). Pipelined, each such interval holds one forward (MLX may
+        compute most of it inside async_eval) and the host work beside it."""
         if self._plain_round is not None:
             num_rows, start = self._plain_round
             self._policy.update(num_rows, 0, 0, False, time.perf_counter() - start if self._round_timed else None)
@@ -595,6 +596,9 @@ class BatchGenerator:
         trim_rows(self._caches[: self._num_target], trims)
         if self.draft_model is not None:
             self._settle_draft([num_columns - t for t in trims], drafts)
+        # The rollback (recurrent rows replay their kept prefix) is this round's cost:
+        # evaluated now, it is timed with it, not with the next round (which may be plain).
+        mx.eval([c.state for c in self._caches])
         self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
         # Learned now, fully synced (its host work included), so the next choice knows it.

@@ -806,9 +806,10 @@ class BatchDraftLengthPolicy:
     per row) and the round costs learned per batch size B (a RoundCosts each, from
     the generator's timings; a B not measured yet borrows the nearest measured B's,
     since only their ratios across K matter). K = 0 is a plain step. After every
-    `probe_interval` rounds a neighbour of the best K is tried instead (K + 1 and
-    K - 1 in turn, K = 1 from 0), so costs stay measured and rows whose drafts start
-    agreeing again are noticed. While the best is 0, a probe that had nothing
+    `probe_interval` rounds another K is tried instead: the one chosen least recently
+    (a plain step too: a batch that drafts well still learns what plain steps cost,
+    not only the prior's guess), K = 1 from 0. So costs stay measured and rows whose
+    drafts start agreeing again are noticed. While the best is 0, a probe that had nothing
     accepted doubles the interval to the next (up to `max_probe_interval`: a draft
     that never agrees then costs a probe every few hundred rounds), one that had
     anything accepted resets it, and one whose drafts were all accepted is followed
@@ -829,7 +830,7 @@ class BatchDraftLengthPolicy:
         self.last_round_all_accepted = False
         self.interval = probe_interval  # rounds from one probe to the next
         self._rounds_to_probe = probe_interval
-        self._num_probes = 0
+        self._chosen_at: List[int] = []  # per K, the round it was last chosen (-1: never)
         self._probe_from_plain = False  # the last choice was a probe while the best was 0
 
     @property
@@ -846,12 +847,14 @@ class BatchDraftLengthPolicy:
         rates = [sum(expected_tokens(a, min(k, room)) for a, room in rows) / costs[k] for k in range(max_k + 1)]
         best = max(range(max_k + 1), key=lambda k: (rates[k], -k))
         self._rounds_to_probe -= 1
+        choice, self._probe_from_plain = best, False
         if (best == 0 and self.last_round_all_accepted) or self._rounds_to_probe <= 0:
-            self._rounds_to_probe, self._num_probes = self.interval, self._num_probes + 1
-            self._probe_from_plain = best == 0
-            return neighbour(best, max_k, upward=self._num_probes % 2 == 1)
-        self._probe_from_plain = False
-        return best
+            self._rounds_to_probe, self._probe_from_plain = self.interval, best == 0
+            self._chosen_at += [-1] * (max_k + 1 - len(self._chosen_at))
+            choice = 1 if best == 0 else min((k for k in range(max_k + 1) if k != best), key=self._chosen_at.__getitem__)
+        self._chosen_at += [-1] * (choice + 1 - len(self._chosen_at))
+        self._chosen_at[choice] = self.num_rounds
+        return choice
 
     def update(self, batch_size: int, k: int, num_accepted: int, all_accepted: bool,
                round_seconds: Optional[float]) -> None:

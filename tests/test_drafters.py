@@ -309,3 +309,17 @@ def test_batch_policy_probes_less_often_while_probes_fail():
     rounds_to_next_probe(1)  # something accepted: back to every 16 rounds
     assert rounds_to_next_probe(0) == 16
     assert rounds_to_next_probe(4) == 32 and rounds_to_next_probe(0) == 1  # all accepted: at once
+
+
+def test_batch_policy_probes_the_least_recent_draft_length():
+    """While drafting K = 3 is best, probes visit the other lengths, least recently
+    chosen first: K = 0 among them, so a batch learns what its plain steps cost."""
+    policy = BatchDraftLengthPolicy()
+    for k in range(4):
+        policy.update(1, k, 0, False, 1.0 + 0.1 * k)
+    choices = []
+    for _ in range(64):
+        k = policy.choose(1, [(0.8, 3)])
+        policy.update(1, k, k, True, 1.0 + 0.1 * k)
+        choices.append(k)
+    assert [(n, k) for n, k in enumerate(choices) if k != 3] == [(15, 0), (31, 1), (47, 2), (63, 0)]
