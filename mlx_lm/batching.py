@@ -145,7 +145,7 @@ class _Sequence:
     num_draft_tokens: int = 0  # its cap on drafts per round
     speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
     speculation: Optional[RowSpeculation] = None  # its counts, when it speculates
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its drafts
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its drafts (policy.new_row)
     fixed_length: bool = False  # drafts its cap every round (a seeded sample replays only so)
 
 
@@ -320,6 +320,7 @@ class BatchGenerator:
                              num_draft_tokens=num_draft_tokens)
         sequence.speculates = self.speculating and not processors
         sequence.fixed_length = seed is not None and (sampler or self.sampler) is not GREEDY
+        sequence.acceptance = self._policy.new_row()
         sequence.speculation = RowSpeculation() if sequence.speculates else None
         if self.prompt_lookup and not processors:
             sequence.lookup = PromptLookup(self.max_ngram_size, context=seen)
@@ -581,7 +582,7 @@ class BatchGenerator:
             if s.speculation is not None:
                 s.speculation.add_round(len(drafts[i]), num_accepted)
             if drafts[i]:
-                s.acceptance.update(len(drafts[i]), num_accepted)
+                self._policy.learn_row(s.acceptance, len(drafts[i]), num_accepted)
                 all_accepted = all_accepted and num_accepted == len(drafts[i])
                 round_accepted += num_accepted
             tokens.append(token)

@@ -802,8 +802,10 @@ class BatchDraftLengthPolicy:
 
         sum over rows of expected_tokens(a_row, min(K, room_row)) / cost_B(K),
 
-    with each row's own acceptance a_row (an AcceptanceEstimate the generator keeps
-    per row) and the round costs learned per batch size B (a RoundCosts each, from
+    with each row's own acceptance a_row (an AcceptanceEstimate per row, from
+    `new_row`: a joining row starts at what the batch's rows showed lately, with the
+    weight of two rounds, so a short request's first misses do not end its drafting)
+    and the round costs learned per batch size B (a RoundCosts each, from
     the generator's timings; a B not measured yet borrows the nearest measured B's,
     since only their ratios across K matter). K = 0 is a plain step. After every
     `probe_interval` rounds another K is tried instead: the one chosen least recently
@@ -832,6 +834,7 @@ class BatchDraftLengthPolicy:
         self._rounds_to_probe = probe_interval
         self._chosen_at: List[int] = []  # per K, the round it was last chosen (-1: never)
         self._probe_from_plain = False  # the last choice was a probe while the best was 0
+        self.pooled = AcceptanceEstimate(memory=32.0)  # every row's drafting rounds
 
     @property
     def num_rounds(self) -> int:
@@ -872,6 +875,16 @@ class BatchDraftLengthPolicy:
             if batch_size not in self.costs:
                 self.costs[batch_size] = RoundCosts(k, *self._cost_settings)
             self.costs[batch_size].learn(k, round_seconds)
+
+    def new_row(self) -> AcceptanceEstimate:
+        """The acceptance estimate of a row joining the batch."""
+        a = self.pooled.value
+        return AcceptanceEstimate(2 * a, 2 * (1 - a))
+
+    def learn_row(self, row: AcceptanceEstimate, num_draft: int, num_accepted: int) -> None:
+        """A row drafted num_draft tokens this round and num_accepted were accepted."""
+        row.update(num_draft, num_accepted)
+        self.pooled.update(num_draft, num_accepted)
 
     @property
     def mean_draft_length(self) -> float:

@@ -323,3 +323,17 @@ def test_batch_policy_probes_the_least_recent_draft_length():
         policy.update(1, k, k, True, 1.0 + 0.1 * k)
         choices.append(k)
     assert [(n, k) for n, k in enumerate(choices) if k != 3] == [(15, 0), (31, 1), (47, 2), (63, 0)]
+
+
+def test_a_joining_row_starts_at_the_batch_acceptance():
+    """A new row's acceptance starts at what the batch's rows showed lately, with the
+    weight of two rounds (its own rounds soon outweigh it)."""
+    policy = BatchDraftLengthPolicy()
+    assert policy.new_row().value == 0.5
+    for _ in range(64):
+        policy.learn_row(policy.new_row(), 3, 3)  # every draft accepted
+    row = policy.new_row()
+    assert row.value > 0.9 and row.successes + row.failures == pytest.approx(2.0)
+    for _ in range(4):
+        policy.learn_row(row, 1, 0)
+    assert row.value < 0.3
