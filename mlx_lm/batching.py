@@ -243,7 +243,7 @@ class BatchGenerator:
         self.speculating = prompt_lookup or draft_model is not None
         self._policy = BatchDraftLengthPolicy(adaptive=not fixed_draft_length)
         self._draft_lag: List[mx.array] = []  # (B,) tokens of plain steps the draft has not seen
-        self._plain_round: Optional[Tuple[int, float]] = None  # the last step's (rows, start), if plain
+        self._last_round: Optional[Tuple[int, int, float]] = None  # the last step's (rows, K, top)
         self._round_timed = True  # nothing but the last round ran since it started
         # Cache lists hold the target's entries, then (with a draft model) the draft's.
         self._num_target = len(make_prompt_cache(model))
@@ -422,7 +422,7 @@ class BatchGenerator:
 
     def _decode_step(self) -> List[Response]:
         if self.speculating:
-            self._learn_plain_round()
+            self._time_last_round()
         top = time.perf_counter()
         self._join_ready()
         if not self._active:
@@ -432,10 +432,9 @@ class BatchGenerator:
             rooms = self._rooms()
             if any(rooms):  # (else a plain step, pipelined as without speculation)
                 fed = self._tokens.tolist()  # drafting needs each row's token now (the last round is done)
-                start = time.perf_counter()
                 drafts = self._drafts(fed, rooms) if self.prompt_lookup else self._model_drafts(fed, rooms)
                 if any(drafts):
-                    return self._speculative_step(fed, drafts, start)
+                    return self._speculative_step(fed, drafts, top)
                 committed = True
         fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
         for i, s in enumerate(self._active):
@@ -455,7 +454,8 @@ class BatchGenerator:
         responses, finished = [], []
         fed = fed.tolist()  # the last round's tokens, while this one computes
         if self.speculating:
-            self._plain_round = (len(self._active), top)
+            self._policy.update(len(self._active), 0, 0, False, None)
+            self._last_round = (len(self._active), 0, top)
         for i, (s, token) in enumerate(zip(self._active, fed)):
             if s.lookup is not None and emit[i] and not committed:
                 s.lookup.extend([token])
@@ -512,15 +512,17 @@ class BatchGenerator:
         k = self._policy.choose(len(self._active), following)
         return [cap if s.fixed_length else min(cap, k) for s, cap in zip(self._active, caps)]
 
-    def _learn_plain_round(self) -> None:
-        """The policy learns the last step, if it was plain, at the top of this one:
-        its seconds from its own top, if nothing else ran meanwhile (a prefill, rows
-        joining or leaving). Pipelined, each such interval holds one forward (MLX may
-        compute most of it inside async_eval) and the host work beside it."""
-        if self._plain_round is not None:
-            num_rows, start = self._plain_round
-            self._policy.update(num_rows, 0, 0, False, time.perf_counter() - start if self._round_timed else None)
-        self._plain_round, self._round_timed = None, True
+    def _time_last_round(self) -> None:
+        """The policy learns the last step's seconds, from its top to this one's, if
+        nothing else ran meanwhile (a prefill, rows joining or leaving). Every round is
+        timed alike: a plain step's interval holds one forward (pipelined, MLX may
+        compute most of it inside async_eval) and the host work beside it; a drafting
+        round's, its forwards, its syncs and the host work after them (the caller's
+        too), which nothing overlaps."""
+        if self._last_round is not None and self._round_timed:
+            num_rows, k, top = self._last_round
+            self._policy.learn_cost(num_rows, k, time.perf_counter() - top)
+        self._last_round, self._round_timed = None, True
 
     def _model_drafts(self, fed: List[int], rooms: List[int]) -> List[List[int]]:
         """The draft model's greedy continuation of every row (a point mass, so sampling
@@ -564,7 +566,7 @@ class BatchGenerator:
             num_fed += 1
         trim_rows(draft_cache, [num_fed - k for k in kept])
 
-    def _speculative_step(self, fed: List[int], drafts: List[List[int]], start: float) -> List[Response]:
+    def _speculative_step(self, fed: List[int], drafts: List[List[int]], top: float) -> List[Response]:
         """Feed every row its token and drafts (padded to the longest) in one forward;
         each row accepts drafts by its own rule (_decide) and forgets the rest."""
         num_columns = 1 + max(len(d) for d in drafts)
@@ -602,10 +604,9 @@ class BatchGenerator:
         mx.eval([c.state for c in self._caches])
         self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
-        # Learned now, fully synced (its host work included), so the next choice knows it.
-        self._policy.update(len(self._active), num_columns - 1, round_accepted, all_accepted,
-                            time.perf_counter() - start if self._round_timed else None)
-        self._round_timed = True
+        # Its outcome learned now, so the next choice knows it; its time at the next top.
+        self._policy.update(len(self._active), num_columns - 1, round_accepted, all_accepted, None)
+        self._last_round = (len(self._active), num_columns - 1, top)
         self._retire(finished, responses)
         return responses
 
@@ -725,7 +726,7 @@ class BatchGenerator:
         self._queued.clear()
         self._prefilling, self._ready, self._active = [], [], []
         self._caches, self._tokens, self._logprobs, self._emit = None, None, [], []
-        self._draft_lag, self._plain_round = [], None
+        self._draft_lag, self._last_round = [], None
 
 
 def batch_generate(

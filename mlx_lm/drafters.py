@@ -814,14 +814,14 @@ class BatchDraftLengthPolicy:
     drafts start agreeing again are noticed. While the best is 0, a probe that had nothing
     accepted doubles the interval to the next (up to `max_probe_interval`: a draft
     that never agrees then costs a probe every few hundred rounds), one that had
-    anything accepted resets it, and one whose drafts were all accepted is followed
-    by another at once. The choice is called once a round: it counts the rounds to
+    anything accepted resets it, and one whose drafts were all accepted while the
+    rows' mean acceptance was under 1/2 is followed by another at once. The choice is called once a round: it counts the rounds to
     the next probe. With adaptive=False, K is the largest room (every row drafts its
     cap).
     """
 
     def __init__(self, *, adaptive: bool = True, probe_interval: int = 16, max_probe_interval: int = 256,
-                 cost_memory_falling: float = 2.0, cost_memory_rising: float = 8.0, prior_cost_per_draft: float = 0.3):
+                 cost_memory_falling: float = 8.0, cost_memory_rising: float = 8.0, prior_cost_per_draft: float = 0.3):
         if not 2 <= probe_interval <= max_probe_interval:
             raise ValueError(f"need 2 <= probe_interval <= max_probe_interval, got {probe_interval} and "
                              f"{max_probe_interval}")
@@ -851,7 +851,11 @@ class BatchDraftLengthPolicy:
         best = max(range(max_k + 1), key=lambda k: (rates[k], -k))
         self._rounds_to_probe -= 1
         choice, self._probe_from_plain = best, False
-        if (best == 0 and self.last_round_all_accepted) or self._rounds_to_probe <= 0:
+        # A plain batch whose probe was all accepted though its rows looked unlikely to
+        # be: their drafts agree again, so probe at once (not while it is cost that
+        # keeps the batch plain: then more probes would only cost).
+        unlikely = sum(a for a, _ in rows) < 0.5 * len(rows)
+        if (best == 0 and self.last_round_all_accepted and unlikely) or self._rounds_to_probe <= 0:
             self._rounds_to_probe, self._probe_from_plain = self.interval, best == 0
             self._chosen_at += [-1] * (max_k + 1 - len(self._chosen_at))
             choice = 1 if best == 0 else min((k for k in range(max_k + 1) if k != best), key=self._chosen_at.__getitem__)
@@ -871,7 +875,12 @@ class BatchDraftLengthPolicy:
             self._probe_from_plain = False
             self.interval = self.probe_interval if num_accepted else min(2 * self.interval, self.max_probe_interval)
             self._rounds_to_probe = self.interval
-        if round_seconds is not None and round_seconds > 0:
+        if round_seconds is not None:
+            self.learn_cost(batch_size, k, round_seconds)
+
+    def learn_cost(self, batch_size: int, k: int, round_seconds: float) -> None:
+        """A round of `batch_size` rows that took k draft steps took round_seconds."""
+        if round_seconds > 0:
             if batch_size not in self.costs:
                 self.costs[batch_size] = RoundCosts(k, *self._cost_settings)
             self.costs[batch_size].learn(k, round_seconds)

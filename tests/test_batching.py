@@ -419,9 +419,8 @@ def test_a_draft_that_sits_out_plain_steps_catches_up(monkeypatch):
     tokens it missed when it next drafts or a row joins or leaves, in one forward.
     Answers equal solo runs; every row's draft cache holds its prompt and answer."""
     monkeypatch.setattr(_AlignedKV, "step", 8)
-    learn = BatchDraftLengthPolicy.update
-    monkeypatch.setattr(BatchDraftLengthPolicy, "update",
-                        lambda self, rows, k, num, every, seconds: learn(self, rows, k, num, every, 1 + k / 2))
+    learn = BatchDraftLengthPolicy.learn_cost
+    monkeypatch.setattr(BatchDraftLengthPolicy, "learn_cost", lambda self, rows, k, seconds: learn(self, rows, k, 1 + k / 2))
     model, draft = tiny_model("qwen3"), perturbed("qwen3", noise=0.5)
     lengths, budgets = [14, 5, 22, 9], [40, 25, 7, 30]
     prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
@@ -508,9 +507,8 @@ def test_a_batch_stops_drafting_what_is_never_accepted(monkeypatch):
     wants = [solo(model, p, 40) for p in prompts]
     never = next(t for t in range(1, 200) if all(t not in w for w in wants))
     monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(never))
-    learn = BatchDraftLengthPolicy.update
-    monkeypatch.setattr(BatchDraftLengthPolicy, "update",
-                        lambda self, rows, k, num, every, seconds: learn(self, rows, k, num, every, 1 + k / 2))
+    learn = BatchDraftLengthPolicy.learn_cost
+    monkeypatch.setattr(BatchDraftLengthPolicy, "learn_cost", lambda self, rows, k, seconds: learn(self, rows, k, 1 + k / 2))
     generator = BatchGenerator(model, max_tokens=40, prompt_lookup=True, num_draft_tokens=3)
     assert generate_all(generator, prompts, 40)[0] == wants
     stats = generator.stats()

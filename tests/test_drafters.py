@@ -284,6 +284,8 @@ def test_batch_policy_weighs_the_whole_batch():
     assert policy.choose(1, [(0.0, 3)]) == 0
     assert policy.choose(1, [good, (0.8, 1)]) == 3  # each row's room caps its own drafts
     assert policy.choose(1, []) == 0  # no row follows the policy (and no round counted)
+    policy.update(8, 1, 8, True, None)  # a probe all accepted by likely rows: cost keeps it plain
+    assert policy.choose(8, [good] * 8) == 0
     fixed = BatchDraftLengthPolicy(adaptive=False)
     assert fixed.choose(8, [good, (0.0, 2)]) == 3
     with pytest.raises(ValueError, match="probe_interval"):
