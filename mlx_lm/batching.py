@@ -432,9 +432,12 @@ class BatchGenerator:
             rooms = self._rooms()
             if any(rooms):  # (else a plain step, pipelined as without speculation)
                 fed = self._tokens.tolist()  # drafting needs each row's token now (the last round is done)
-                drafts = self._drafts(fed, rooms) if self.prompt_lookup else self._model_drafts(fed, rooms)
+                if self.draft_model is not None:  # (every row with room drafts)
+                    return self._speculative_step(fed, *self._model_drafts(fed, rooms), top)
+                drafts = self._drafts(fed, rooms)
                 if any(drafts):
-                    return self._speculative_step(fed, drafts, top)
+                    columns = [[t] + d + [t] * (max(map(len, drafts)) - len(d)) for t, d in zip(fed, drafts)]
+                    return self._speculative_step(fed, mx.array(columns, dtype=mx.uint32), lambda: drafts, top)
                 committed = True
         fed, fed_logprobs, emit = self._tokens, self._logprobs, self._emit
         for i, s in enumerate(self._active):
@@ -524,12 +527,13 @@ class BatchGenerator:
             self._policy.learn_cost(num_rows, k, time.perf_counter() - top)
         self._last_round, self._round_timed = None, True
 
-    def _model_drafts(self, fed: List[int], rooms: List[int]) -> List[List[int]]:
+    def _model_drafts(self, fed: List[int], rooms: List[int]) -> Tuple[mx.array, Callable[[], List[List[int]]]]:
         """The draft model's greedy continuation of every row (a point mass, so sampling
-        rows keep the target's law), K = the largest room steps for all rows at once."""
+        rows keep the target's law), K = the largest room steps for all rows at once:
+        the (B, K + 1) tokens to verify (each row's token, its drafts, then its token
+        again as padding), built on the device so the verify is queued behind the
+        drafts without a sync, and how to read the drafts once it has run."""
         num_steps = max(rooms)
-        if not num_steps:
-            return [[] for _ in rooms]
         self._catch_up_draft()
         draft_cache, vocab = self._caches[self._num_target :], self.model.args.vocab_size
         # Room for the whole round now: a window may only drop columns before it begins
@@ -541,8 +545,10 @@ class BatchGenerator:
             token = mx.argmax(logits, axis=-1).astype(mx.uint32)
             steps.append(token)
         self._full_drafts = mx.stack(steps, axis=1)  # (B, K): the draft fed all but the last
-        drafted = self._full_drafts.tolist()
-        return [d[:room] for d, room in zip(drafted, rooms)]
+        first = mx.array(fed, dtype=mx.uint32)[:, None]
+        drafted = mx.arange(num_steps)[None] < mx.array(rooms)[:, None]
+        columns = mx.concatenate([first, mx.where(drafted, self._full_drafts, first)], axis=1)
+        return columns, lambda: [d[:room] for d, room in zip(self._full_drafts.tolist(), rooms)]
 
     def _catch_up_draft(self) -> None:
         """Feed the draft, in one forward, the tokens plain steps gave the target alone
@@ -566,15 +572,17 @@ class BatchGenerator:
             num_fed += 1
         trim_rows(draft_cache, [num_fed - k for k in kept])
 
-    def _speculative_step(self, fed: List[int], drafts: List[List[int]], top: float) -> List[Response]:
-        """Feed every row its token and drafts (padded to the longest) in one forward;
-        each row accepts drafts by its own rule (_decide) and forgets the rest."""
-        num_columns = 1 + max(len(d) for d in drafts)
-        rows = [[fed[i]] + d + [fed[i]] * (num_columns - 1 - len(d)) for i, d in enumerate(drafts)]
+    def _speculative_step(self, fed: List[int], columns: mx.array, read_drafts: Callable[[], List[List[int]]],
+                          top: float) -> List[Response]:
+        """Feed every row its token and drafts (`columns`, (B, K + 1), padded to the
+        longest) in one forward; each row accepts drafts by its own rule (_decide) and
+        forgets the rest."""
+        num_columns = columns.shape[1]
         make_room(self._caches[: self._num_target], num_columns)
-        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._caches[: self._num_target])  # (B, K+1, V)
+        logits = self.model(columns, cache=self._caches[: self._num_target])  # (B, K+1, V)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1): the greedy rows' targets
+        drafts = read_drafts()
         responses, finished, trims, tokens, next_logprobs = [], [], [], [], []
         all_accepted, round_accepted = True, 0
         for i, s in enumerate(self._active):
