@@ -128,7 +128,7 @@ class Server:
         if ours:
             env["PYTHONPATH"] = str(ROOT)
         command = [python, "-m", "mlx_lm.server", *map(str, flags), "--port", str(port)]
-        self.log_path, self.address = log_path, ("127.0.0.1", port)
+        self.log_path, self.address, self.resets = log_path, ("127.0.0.1", port), 0
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(command, stderr=log, stdout=subprocess.DEVNULL, env=env,
                                             cwd=tempfile.gettempdir())
@@ -151,12 +151,21 @@ class Server:
         self.process.wait(timeout=30)
 
     def complete(self, prompt: str, max_tokens: int) -> int:
-        """One greedy text completion; returns its completion tokens."""
+        """One greedy text completion; returns its completion tokens. A connection the
+        server resets (a full listen backlog) is counted in `resets` and tried again."""
         body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-        connection = http.client.HTTPConnection(*self.address, timeout=600)
-        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        reply = json.loads(connection.getresponse().read())
-        connection.close()
+        for attempt in range(5):
+            connection = http.client.HTTPConnection(*self.address, timeout=600)
+            try:
+                connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                reply = json.loads(connection.getresponse().read())
+                break
+            except (ConnectionResetError, ConnectionRefusedError):
+                self.resets += 1
+            finally:
+                connection.close()
+        else:
+            raise SystemExit(f"server at {self.address} reset 5 connections in a row")
         if "usage" not in reply:
             raise SystemExit(f"server error: {reply}")
         return reply["usage"]["completion_tokens"]
@@ -358,6 +367,7 @@ def run_clients(model: Path, args, log_dir: Path) -> dict:
             servers[name] = Server(flags, log_dir / f"{name.replace(' ', '_')}.log", python, ours)
             aggregate_tps(servers[name], 2, args)  # warm up: every prompt length once
         results = measure_in_turn(servers, args, client_prompt)
+        args.resets = {name: server.resets for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
@@ -386,6 +396,8 @@ def report_clients(label: str, args, results: dict) -> None:
         lines.append(row + " |")
     lines += ["", f"Ours batched at each client count / ours sequential with {args.clients[0]} client(s): "
               + ", ".join(f"{n}: {results['ours batched'][n] / sequential_1:.2f}x" for n in args.clients),
+              "", "Connections reset by the server (each request tried again, its time counted): "
+              + ", ".join(f"{name} {count}" for name, count in args.resets.items()) + ".",
               "", machine(), ""]
     write_report("server_clients", lines, results, args.clients, label)
 
