@@ -18,7 +18,9 @@ How a sequence goes through (`BatchGenerator.next` does one step of each stage):
 
 Speculation (`prompt_lookup=True`, or a `draft_model` whose caches are batched beside
 the target's and drafts every row greedily in K single-token steps): each row drafts
-from its own prompt and output (at most its num_draft_tokens), one forward verifies every row's
+from its own prompt and output (at most its num_draft_tokens, and as many as the
+batch's draft-length policy, drafters.BatchDraftLengthPolicy, finds fastest: K = 0 is a
+plain step, pipelined, which the draft model sits out), one forward verifies every row's
 token and drafts (padded to the longest), each row accepts by its own rule (greedy:
 the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
 so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
@@ -197,7 +199,9 @@ class BatchGenerator:
     With `return_prompt_caches`, each finished sequence's last Response carries its caches.
     With `prompt_lookup` or a `draft_model` (attention caches only), rows speculate
     (module docstring); with a draft model a cache list holds the target's entries, then
-    the draft's (given to `insert`, returned by `remove` and in responses).
+    the draft's (given to `insert`, returned by `remove` and in responses). With
+    `fixed_draft_length` every speculating row drafts its cap each round, as a row
+    with a seed and a sampler other than greedy always does (so its draws replay).
     """
 
     def __init__(
