@@ -461,7 +461,7 @@ class BatchGenerator:
         responses, finished = [], []
         fed = fed.tolist()  # the last round's tokens, while this one computes
         if self.speculating:
-            self._policy.update(len(self._active), 0, 0, False, None)
+            self._policy.update(0, 0, False)
             self._last_round = (len(self._active), 0, top)
         for i, (s, token) in enumerate(zip(self._active, fed)):
             if s.lookup is not None and emit[i] and not committed:
@@ -617,7 +617,7 @@ class BatchGenerator:
         self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
         # Its outcome learned now, so the next choice knows it; its time at the next top.
-        self._policy.update(len(self._active), num_columns - 1, round_accepted, all_accepted, None)
+        self._policy.update(num_columns - 1, round_accepted, all_accepted)
         self._last_round = (len(self._active), num_columns - 1, top)
         self._retire(finished, responses)
         return responses

@@ -780,15 +780,11 @@ class DraftLengthPolicy:
         return best
 
     def _neighbour(self, k: int, *, upward: bool) -> int:
-        return neighbour(k, self.max_draft_tokens, upward=upward)
-
-
-def neighbour(k: int, max_draft_tokens: int, *, upward: bool) -> int:
-    """k + 1 if upward else k - 1, or the other one at the ends of 0..max_draft_tokens."""
-    candidate = k + 1 if upward else k - 1
-    if not 0 <= candidate <= max_draft_tokens:
-        candidate = k - 1 if upward else k + 1
-    return min(max(candidate, 0), max_draft_tokens)
+        """k + 1 if upward else k - 1, or the other one at the ends of 0..max."""
+        candidate = k + 1 if upward else k - 1
+        if not 0 <= candidate <= self.max_draft_tokens:
+            candidate = k - 1 if upward else k + 1
+        return min(max(candidate, 0), self.max_draft_tokens)
 
 
 class BatchDraftLengthPolicy:
@@ -811,13 +807,16 @@ class BatchDraftLengthPolicy:
     `probe_interval` rounds another K is tried instead: the one chosen least recently
     (a plain step too: a batch that drafts well still learns what plain steps cost,
     not only the prior's guess), K = 1 from 0. So costs stay measured and rows whose
-    drafts start agreeing again are noticed. While the best is 0, a probe that had nothing
-    accepted doubles the interval to the next (up to `max_probe_interval`: a draft
-    that never agrees then costs a probe every few hundred rounds), one that had
+    drafts start agreeing again are noticed. While the best is 0, a probe that had
+    nothing accepted doubles the interval to the next (up to `max_probe_interval`: a
+    draft that never agrees then costs a probe every few hundred rounds), one that had
     anything accepted resets it, and one whose drafts were all accepted while the
-    rows' mean acceptance was under 1/2 is followed by another at once. The choice is called once a round: it counts the rounds to
-    the next probe. With adaptive=False, K is the largest room (every row drafts its
-    cap).
+    rows' mean acceptance was under 1/2 is followed by another at once. The choice is
+    called once a round: it counts the rounds to the next probe. With adaptive=False,
+    K is the largest room (every row drafts its cap).
+
+    The generator calls `update` once a round (its K and outcome) and `learn_cost`
+    with the round's seconds when it was timed (at the next round's top).
     """
 
     def __init__(self, *, adaptive: bool = True, probe_interval: int = 16, max_probe_interval: int = 256,
@@ -832,7 +831,7 @@ class BatchDraftLengthPolicy:
         self.last_round_all_accepted = False
         self.interval = probe_interval  # rounds from one probe to the next
         self._rounds_to_probe = probe_interval
-        self._chosen_at: List[int] = []  # per K, the round it was last chosen (-1: never)
+        self._chosen_at: Dict[int, int] = {}  # K -> the round it was last chosen
         self._probe_from_plain = False  # the last choice was a probe while the best was 0
         self.pooled = AcceptanceEstimate(memory=32.0)  # every row's drafting rounds
 
@@ -857,17 +856,14 @@ class BatchDraftLengthPolicy:
         unlikely = sum(a for a, _ in rows) < 0.5 * len(rows)
         if (best == 0 and self.last_round_all_accepted and unlikely) or self._rounds_to_probe <= 0:
             self._rounds_to_probe, self._probe_from_plain = self.interval, best == 0
-            self._chosen_at += [-1] * (max_k + 1 - len(self._chosen_at))
-            choice = 1 if best == 0 else min((k for k in range(max_k + 1) if k != best), key=self._chosen_at.__getitem__)
-        self._chosen_at += [-1] * (choice + 1 - len(self._chosen_at))
+            others = [k for k in range(max_k + 1) if k != best]
+            choice = 1 if best == 0 else min(others, key=lambda k: self._chosen_at.get(k, -1))
         self._chosen_at[choice] = self.num_rounds
         return choice
 
-    def update(self, batch_size: int, k: int, num_accepted: int, all_accepted: bool,
-               round_seconds: Optional[float]) -> None:
-        """Learn from a round of `batch_size` rows that took k draft steps: how many
-        drafts the rows accepted, whether every draft was, and `round_seconds` (None:
-        not timed, e.g. a prefill ran in between)."""
+    def update(self, k: int, num_accepted: int, all_accepted: bool) -> None:
+        """Learn from a round that took k draft steps: how many drafts the rows
+        accepted and whether every draft was."""
         self.counts += [0] * (k + 1 - len(self.counts))
         self.counts[k] += 1
         self.last_round_all_accepted = k > 0 and all_accepted
@@ -875,8 +871,6 @@ class BatchDraftLengthPolicy:
             self._probe_from_plain = False
             self.interval = self.probe_interval if num_accepted else min(2 * self.interval, self.max_probe_interval)
             self._rounds_to_probe = self.interval
-        if round_seconds is not None:
-            self.learn_cost(batch_size, k, round_seconds)
 
     def learn_cost(self, batch_size: int, k: int, round_seconds: float) -> None:
         """A round of `batch_size` rows that took k draft steps took round_seconds."""
@@ -894,11 +888,6 @@ class BatchDraftLengthPolicy:
         """A row drafted num_draft tokens this round and num_accepted were accepted."""
         row.update(num_draft, num_accepted)
         self.pooled.update(num_draft, num_accepted)
-
-    @property
-    def mean_draft_length(self) -> float:
-        rounds = self.num_rounds
-        return sum(k * n for k, n in enumerate(self.counts)) / rounds if rounds else 0.0
 
     def _costs_near(self, batch_size: int) -> RoundCosts:
         if batch_size in self.costs:

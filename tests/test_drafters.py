@@ -275,8 +275,9 @@ def test_batch_policy_weighs_the_whole_batch():
     policy = BatchDraftLengthPolicy()
     for _ in range(3):
         for k in range(4):
-            policy.update(1, k, 0, False, 1.0 + 0.1 * k)
-            policy.update(8, k, 0, False, 1.0 + k)
+            for batch_size, seconds in ((1, 1.0 + 0.1 * k), (8, 1.0 + k)):
+                policy.update(k, 0, False)
+                policy.learn_cost(batch_size, k, seconds)
     good = (0.8, 3)  # (acceptance, room)
     assert policy.choose(1, [good]) == 3
     assert policy.choose(8, [good] * 8) == 0
@@ -284,7 +285,7 @@ def test_batch_policy_weighs_the_whole_batch():
     assert policy.choose(1, [(0.0, 3)]) == 0
     assert policy.choose(1, [good, (0.8, 1)]) == 3  # each row's room caps its own drafts
     assert policy.choose(1, []) == 0  # no row follows the policy (and no round counted)
-    policy.update(8, 1, 8, True, None)  # a probe all accepted by likely rows: cost keeps it plain
+    policy.update(1, 8, True)  # a probe all accepted by likely rows: cost keeps it plain
     assert policy.choose(8, [good] * 8) == 0
     fixed = BatchDraftLengthPolicy(adaptive=False)
     assert fixed.choose(8, [good, (0.0, 2)]) == 3
@@ -302,7 +303,8 @@ def test_batch_policy_probes_less_often_while_probes_fail():
     def rounds_to_next_probe(accepted_at_probe):
         for n in range(1, 1000):
             k = policy.choose(4, bad)
-            policy.update(4, k, accepted_at_probe if k else 0, accepted_at_probe == 4 and k > 0, 1.0 + k)
+            policy.update(k, accepted_at_probe if k else 0, accepted_at_probe == 4 and k > 0)
+            policy.learn_cost(4, k, 1.0 + k)
             if k:
                 return n
 
@@ -318,11 +320,13 @@ def test_batch_policy_probes_the_least_recent_draft_length():
     chosen first: K = 0 among them, so a batch learns what its plain steps cost."""
     policy = BatchDraftLengthPolicy()
     for k in range(4):
-        policy.update(1, k, 0, False, 1.0 + 0.1 * k)
+        policy.update(k, 0, False)
+        policy.learn_cost(1, k, 1.0 + 0.1 * k)
     choices = []
     for _ in range(64):
         k = policy.choose(1, [(0.8, 3)])
-        policy.update(1, k, k, True, 1.0 + 0.1 * k)
+        policy.update(k, k, True)
+        policy.learn_cost(1, k, 1.0 + 0.1 * k)
         choices.append(k)
     assert [(n, k) for n, k in enumerate(choices) if k != 3] == [(15, 0), (31, 1), (47, 2), (63, 0)]
 
