@@ -171,7 +171,8 @@ def write_report(rows: List[dict], extra: List[dict], change: dict, num_rounds: 
         "",
         f"Acceptance change (float16 profile, {num_rounds} rounds): a = 0.9, then 0 from round {third}, "
         f"then 0.9 from round {2 * third}. The policy reaches k = 0 {down} rounds after the drop and "
-        f"drafts k >= 2 again {back} rounds after acceptance returns (probes every 16 rounds). "
+        f"drafts k >= 2 again {back} rounds after acceptance returns (probes every 16 rounds, the interval "
+        "doubling up to 64 while plain steps stay the best). "
         "Mean k per third: "
         + ", ".join(f"{sum(choices[i * third:(i + 1) * third]) / third:.2f}" for i in range(3))
         + ".",
