@@ -44,7 +44,7 @@ from .drafters import (
     AcceptanceEstimate, BatchDraftLengthPolicy, PromptLookup, ids_within, point_masses, speculative_sample,
 )
 from .models.batch_cache import (
-    extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
+    bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
 from .models.cache import make_prompt_cache
 from .sample_utils import CategoricalSampler, make_sampler
@@ -455,7 +455,7 @@ class BatchGenerator:
             self._draft_lag.append(fed)
         logits = self.model(fed[:, None], cache=self._caches[: self._num_target])[:, -1, :]  # (B, V)
         self._tokens, logprobs = self._sample(logits)
-        mx.async_eval(self._tokens, logprobs)
+        mx.async_eval(self._tokens, logprobs, bookkeeping(self._caches))
         self._logprobs = [logprobs[i] for i in range(len(self._active))]
         self._emit = [True] * len(self._active)
         responses, finished = [], []
@@ -564,7 +564,7 @@ class BatchGenerator:
         draft_cache = self._caches[self._num_target :]
         make_room(draft_cache, tokens.shape[1])
         self.draft_model(self._draft_ids(tokens), cache=draft_cache)
-        mx.async_eval([c.state for c in draft_cache])
+        mx.async_eval([c.state for c in draft_cache], bookkeeping(draft_cache))
 
     def _settle_draft(self, kept: List[int], drafts: List[List[int]]) -> None:
         """The draft fed each row its token and K - 1 drafts; keep what the target kept
@@ -613,7 +613,7 @@ class BatchGenerator:
             self._settle_draft([num_columns - t for t in trims], drafts)
         # The rollback (recurrent rows replay their kept prefix) is this round's cost:
         # evaluated now, it is timed with it, not with the next round (which may be plain).
-        mx.eval([c.state for c in self._caches])
+        mx.eval([c.state for c in self._caches], bookkeeping(self._caches))
         self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
         # Its outcome learned now, so the next choice knows it; its time at the next top.

@@ -237,6 +237,33 @@ def test_batch_rotating_cache_keeps_each_window():
         BatchRotatingKVCache.merge([RotatingKVCache(8, keep=4)])
 
 
+@pytest.mark.parametrize("draft", [False, True])
+def test_every_step_evaluates_the_positions_it_updates(draft, monkeypatch):
+    """A plain step of a gapless batch never reads `positions`; left lazy, its updates
+    piled up (one per layer and step) until a row left, which then waited for all of
+    them. Each step evaluates them with its tokens, speculative rounds too."""
+    model = tiny_model("qwen3")
+    evaluated = []
+    for name in ("eval", "async_eval"):
+        real = getattr(mx, name)
+        def recording(*arrays, real=real):
+            evaluated.extend(id(a) for _, a in tree_flatten(list(arrays)))
+            return real(*arrays)
+        monkeypatch.setattr(mx, name, recording)
+    extra = dict(draft_model=tiny_model("qwen3"), fixed_draft_length=True, num_draft_tokens=2) if draft else {}
+    generator = BatchGenerator(model, max_tokens=6, **extra)
+    generator.insert([prompt(5, 1), prompt(9, 2)])
+    checked = 0
+    while len(generator) > 1:  # (a leaving row's read would evaluate them anyway)
+        generator.next()
+        if generator._caches is not None:
+            entries = [e for e in generator._caches if isinstance(e, _AlignedKV)]
+            assert entries and all(id(e.positions) in evaluated for e in entries)
+            checked += 1
+        evaluated.clear()
+    assert checked >= 2
+
+
 def test_unbatchable_cache_is_refused_by_name():
     with pytest.raises(ValueError, match="KVCache, QuantizedKVCache"):
         merge_caches([[KVCache()], [QuantizedKVCache()]])
