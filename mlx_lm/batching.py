@@ -25,7 +25,10 @@ token and drafts (padded to the longest), each row accepts by its own rule (gree
 the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
 so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
 columns become holes, recurrent states are replayed from the layers' records). Rows
-with logits processors decode plainly in the same forward.
+with logits processors decode plainly in the same forward. With a draft model, a round
+is queued (its drafts and verify computing) as soon as the previous one is decided,
+before that one's tokens are returned, unless rows wait to join; a removal or a cache
+copy between steps undoes the queued round first.
 
 Greedy output of every sequence equals its solo run, whatever joins or leaves: rows do
 not see each other (per-row masks hide other rows' padding), and a row's numbers differ
@@ -249,6 +252,10 @@ class BatchGenerator:
         self._draft_lag: List[mx.array] = []  # (B,) tokens of plain steps the draft has not seen
         self._last_round: Optional[Tuple[int, int, float]] = None  # the last step's (rows, K, top)
         self._round_timed = True  # nothing but the last round ran since it started
+        # A drafting round queued at the end of the last step, decided by the next one:
+        # (fed, columns, logits, read_drafts, top) for _finish_round.
+        self._pending: Optional[tuple] = None
+        self._plain_next: Optional[int] = None  # rows of a batch whose next step was chosen plain
         # Cache lists hold the target's entries, then (with a draft model) the draft's.
         self._num_target = len(make_prompt_cache(model))
         self._num_draft = 0 if draft_model is None else len(make_prompt_cache(draft_model))
@@ -425,6 +432,9 @@ class BatchGenerator:
         self._active += joining
 
     def _decode_step(self) -> List[Response]:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            return self._finish_round(*pending)
         if self.speculating:
             self._time_last_round()
         top = time.perf_counter()
@@ -433,7 +443,8 @@ class BatchGenerator:
             return []
         committed = False  # whether the lookups have this step's tokens
         if self.speculating:
-            rooms = self._rooms()
+            chosen_plain, self._plain_next = self._plain_next == len(self._active), None
+            rooms = [0] * len(self._active) if chosen_plain else self._rooms()
             if any(rooms):  # (else a plain step, pipelined as without speculation)
                 fed = self._tokens.tolist()  # drafting needs each row's token now (the last round is done)
                 if self.draft_model is not None:  # (every row with room drafts)
@@ -581,9 +592,48 @@ class BatchGenerator:
         """Feed every row its token and drafts (`columns`, (B, K + 1), padded to the
         longest) in one forward; each row accepts drafts by its own rule (_decide) and
         forgets the rest."""
-        num_columns = columns.shape[1]
-        make_room(self._caches[: self._num_target], num_columns)
+        return self._finish_round(fed, columns, self._queue_verify(columns), read_drafts, top)
+
+    def _queue_verify(self, columns: mx.array) -> mx.array:
+        make_room(self._caches[: self._num_target], columns.shape[1])
         logits = self.model(columns, cache=self._caches[: self._num_target])  # (B, K+1, V)
+        mx.async_eval(logits)
+        return logits
+
+    def _queue_next_round(self) -> None:
+        """With a draft model, queue the next round's drafts and verify as soon as this
+        one is decided, so they compute while its tokens are handed out (as the
+        single-sequence loop does); the next step decides it. Not while rows wait to
+        join (they join between rounds). A plain choice is kept for the next step."""
+        if self.draft_model is None or not self._active or self._ready:
+            return
+        self._time_last_round()
+        top = time.perf_counter()
+        rooms = self._rooms()
+        if not any(rooms):
+            self._plain_next = len(self._active)
+            return
+        fed = self._tokens.tolist()
+        columns, read_drafts = self._model_drafts(fed, rooms)
+        self._pending = (fed, columns, self._queue_verify(columns), read_drafts, top)
+
+    def _cancel_pending(self) -> None:
+        """Undo a queued round before the batch changes from outside (remove,
+        extract_cache): its verify and draft feeds trimmed from every row; the next
+        step drafts afresh."""
+        if self._pending is None:
+            return
+        _, columns, _, _, _ = self._pending
+        self._pending = None
+        trim_rows(self._caches[: self._num_target], [columns.shape[1]] * len(self._active))
+        self._settle_draft([0] * len(self._active), [])
+        self._round_timed = False
+
+    def _finish_round(self, fed: List[int], columns: mx.array, logits: mx.array,
+                      read_drafts: Callable[[], List[List[int]]], top: float) -> List[Response]:
+        """Decide a verified round: each row accepts drafts by its own rule (_decide),
+        reports its tokens and forgets the rest; then the next round is queued."""
+        num_columns = columns.shape[1]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1): the greedy rows' targets
         drafts = read_drafts()
@@ -611,15 +661,16 @@ class BatchGenerator:
         trim_rows(self._caches[: self._num_target], trims)
         if self.draft_model is not None:
             self._settle_draft([num_columns - t for t in trims], drafts)
-        # The rollback (recurrent rows replay their kept prefix) is this round's cost:
-        # evaluated now, it is timed with it, not with the next round (which may be plain).
-        mx.eval([c.state for c in self._caches], bookkeeping(self._caches))
+        # The rollback (recurrent rows replay their kept prefix) computes while the
+        # tokens are handed out; rounds are timed top to top, so it is this round's cost.
+        mx.async_eval([c.state for c in self._caches], bookkeeping(self._caches))
         self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
         # Its outcome learned now, so the next choice knows it; its time at the next top.
         self._policy.update(num_columns - 1, round_accepted, all_accepted)
         self._last_round = (len(self._active), num_columns - 1, top)
         self._retire(finished, responses)
+        self._queue_next_round()
         return responses
 
     def _decide(self, i: int, s: _Sequence, drafts: List[int], logits: mx.array, logprobs: mx.array,
@@ -714,6 +765,7 @@ class BatchGenerator:
                 removed[s.uid] = (s.cache, s.num_in_cache)
         rows = [i for i, s in enumerate(self._active) if s.uid in wanted]
         if rows:
+            self._cancel_pending()
             self._catch_up_draft()
         for i in rows:
             s = self._active[i]
@@ -724,6 +776,7 @@ class BatchGenerator:
     def extract_cache(self, uids: Sequence[int]) -> Dict[int, List[Any]]:
         """Copies of the caches of active sequences `uids`, which keep running."""
         rows = {s.uid: i for i, s in enumerate(self._active)}
+        self._cancel_pending()
         self._catch_up_draft()
         return {uid: extract_caches(self._caches, rows[uid]) for uid in uids if uid in rows}
 
@@ -738,7 +791,7 @@ class BatchGenerator:
         self._queued.clear()
         self._prefilling, self._ready, self._active = [], [], []
         self._caches, self._tokens, self._logprobs, self._emit = None, None, [], []
-        self._draft_lag, self._last_round = [], None
+        self._draft_lag, self._last_round, self._pending, self._plain_next = [], None, None, None
 
 
 def batch_generate(

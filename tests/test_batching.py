@@ -470,6 +470,44 @@ def test_draft_model_must_batch_its_caches():
         BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3"), prompt_lookup=True)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_next"])
+def test_a_queued_round_is_undone_when_rows_are_removed_or_copied(name, monkeypatch):
+    """With a draft model each step queues the next round before returning its
+    tokens. A copy of a row's caches (extract_cache) or a removal between steps first
+    undoes that round in every row: the copy and the removed row's caches hold
+    exactly the tokens reported, and the other rows go on as alone."""
+    monkeypatch.setattr(_AlignedKV, "step", 8)
+    model, draft = tiny_model(name), perturbed("qwen3")
+    prompts = [repetitive_prompt(n, seed) for seed, n in enumerate([9, 14, 6])]
+    answers = [solo(model, p, 16) for p in prompts]
+    generator = BatchGenerator(model, max_tokens=16, draft_model=draft, fixed_draft_length=True)
+    uids = generator.insert(prompts)
+    out = {}
+    while not generator._pending or min(len(out.get(u, [])) for u in uids) < 3:
+        for r in generator.next_generated():
+            out.setdefault(r.uid, []).append(r.token)
+    num_target = len(make_prompt_cache(model))
+
+    def assert_holds(cache, tokens):
+        for half, m in ((cache[:num_target], model), (cache[num_target:], draft)):
+            fresh = make_prompt_cache(m)
+            m(mx.array(tokens)[None], cache=fresh)
+            assert_same_caches(half, fresh)
+
+    copy = generator.extract_cache([uids[0]])[uids[0]]
+    assert_holds(copy, prompts[0] + out[uids[0]])
+    while not generator._pending:
+        for r in generator.next_generated():
+            out.setdefault(r.uid, []).append(r.token)
+    cache, num_held = generator.remove([uids[1]], return_prompt_caches=True)[uids[1]]
+    assert num_held == len(prompts[1]) + len(out[uids[1]])
+    assert_holds(cache, prompts[1] + out[uids[1]])
+    for r_uid, tokens in run(generator).items():
+        out[r_uid] += tokens
+    assert out[uids[0]] == answers[0] and out[uids[2]] == answers[2]
+    assert out[uids[1]] == answers[1][: len(out[uids[1]])]
+
+
 def test_speculating_rows_stop_and_leave_with_exact_caches(monkeypatch):
     """A stop token inside accepted drafts ends the row there; a row removed mid-flight
     gives back a cache holding exactly the tokens it reports."""
