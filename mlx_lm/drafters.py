@@ -650,12 +650,13 @@ class DraftLengthPolicy:
     lazy rewind evaluated in this one) only ever adds time, so the estimate follows
     falls quickly (over about `cost_memory_falling` rounds) and rises slowly (about
     `cost_memory_rising` rounds): one slow round cannot make a k look bad for long.
-    The first round's time is not learned from: it carries one-off work (allocations,
-    first calls).
+    The first round of each draft length is not learned from: it carries one-off
+    work (the first calls of its shapes: compiled functions, allocations), which in a
+    fresh process made a good draft's first rounds look several times their cost.
 
     Choice: first `plain_rounds_first` plain rounds (k = 0): they cost nothing
     against plain decoding and measure what the policy compares every draft length
-    with (the first round's time is not learned, hence two). Then a slow start: k = 1,
+    with (the first one's time is not learned, hence two). Then a slow start: k = 1,
     then twice the last k while every draft was accepted, up to the cap; the first
     rejection (or the cap) ends it. A draft that never agrees so costs one draft step,
     not a round at the cap, and a good one reaches the cap in about log2(cap) + 1
@@ -774,7 +775,7 @@ class DraftLengthPolicy:
             )
         if not round_seconds > 0:
             raise ValueError(f"round_seconds must be > 0, got {round_seconds}")
-        if self.num_rounds > 0:  # the first round carries one-off work
+        if self.counts[num_draft] > 0:  # the first round of a length carries one-off work
             self.costs.learn(num_draft, round_seconds)
         if num_draft > 0:
             self.acceptance.update(num_draft, num_accepted)

@@ -159,11 +159,12 @@ def test_fixed_always_drafts_k_and_keeps_statistics(k):
 def test_statistics_and_estimates():
     policy = DraftLengthPolicy(4)
     assert policy.mean_draft_length == 0.0 and policy.expected_round_seconds(2) is None
-    for num_draft, num_accepted in [(4, 4), (4, 1), (0, 0), (2, 2)]:
+    # (The first round of each length is not learned from: it carries one-off work.)
+    for num_draft, num_accepted in [(4, 4), (4, 1), (0, 0), (0, 0), (2, 2), (2, 2)]:
         policy.update(num_draft, num_accepted, 0.01 * (1 + num_draft))
-    assert policy.counts == [1, 0, 1, 0, 2]
-    assert policy.num_rounds == 4 and policy.num_accepted == 7
-    assert policy.mean_draft_length == pytest.approx(10 / 4)
+    assert policy.counts == [2, 0, 2, 0, 2]
+    assert policy.num_rounds == 6 and policy.num_accepted == 9
+    assert policy.mean_draft_length == pytest.approx(12 / 6)
     assert 0.5 < policy.acceptance_estimate < 1.0
     assert policy.expected_round_seconds(0) == pytest.approx(0.01, rel=0.1)
     assert policy.expected_round_seconds(3) == pytest.approx(0.04, rel=0.1)  # between 2 and 4
@@ -225,9 +226,10 @@ def test_choose_after_plain_is_what_choose_says_after_a_plain_round():
 
 
 def test_failed_probes_from_plain_steps_double_the_interval_up_to_its_cap():
-    """A draft that never agrees: after the plain rounds and the slow start's one
-    draft step, probes come 16, 32, 64, 64, ... rounds apart; an accepted probe
-    brings the interval back to 16."""
+    """A draft that never agrees: after the plain rounds and two rounds of one draft
+    step (the slow start's, and one more: the first round of a length is not timed),
+    probes come 16, 32, 64, 64, ... rounds apart; an accepted probe brings the
+    interval back to 16."""
     policy = DraftLengthPolicy(3)
     drafting_rounds = []
     for r in range(400):
@@ -237,16 +239,16 @@ def test_failed_probes_from_plain_steps_double_the_interval_up_to_its_cap():
         policy.update(k, int(r >= 300 and k > 0), 0.01 + 0.01 * k)
         if r == 299:
             quiet = drafting_rounds[:]
-    assert quiet[:2] == [2, 3 + 16]  # the slow start's k = 1, then the first probe
-    assert [b - a for a, b in zip(quiet[1:], quiet[2:])] == [32, 64, 64, 64]
+    assert quiet[:3] == [2, 3, 3 + 16]  # k = 1 twice, then the first probe 16 rounds after the slow start
+    assert [b - a for a, b in zip(quiet[2:], quiet[3:])] == [32, 64, 64, 64]
     assert drafting_rounds[len(quiet)] < 300 + 64  # noticed within an interval
 
 
 def test_plain_rounds_first_measure_plain_steps_before_any_draft():
     """Acceptance 1/3 and a k = 1 round 1.75x a plain step (the demo pair at T=0.7 on
-    this CPU): drafting loses. With plain steps measured first, the slow start's
-    k = 1 and the first probe (or two, after a lucky one) are all it drafts in 60
-    rounds; without them the prior line 1 + 0.3 k makes k = 1 look as cheap as plain
+    this CPU): drafting loses. With plain steps measured first, two rounds of k = 1
+    (the first is not timed) and the first probe (or two, after a lucky one) are all
+    it drafts in 60 rounds; without them the prior line 1 + 0.3 k makes k = 1 look as cheap as plain
     until a plain step is measured."""
     def drafting_rounds(plain_rounds_first, seed):
         rng, policy, drafted = random.Random(seed), DraftLengthPolicy(3, plain_rounds_first=plain_rounds_first), 0
@@ -259,7 +261,7 @@ def test_plain_rounds_first_measure_plain_steps_before_any_draft():
             policy.update(k, accepted, 0.005 * (1 + 0.75 * k))
         return drafted
     with_plain_first = [drafting_rounds(2, seed) for seed in range(4)]
-    assert max(with_plain_first) <= 5
+    assert max(with_plain_first) <= 6
     assert sum(drafting_rounds(0, seed) for seed in range(4)) >= sum(with_plain_first) + 8
 
 
