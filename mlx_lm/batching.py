@@ -38,7 +38,7 @@ from a solo run only by the rounding of batched matrix products.
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -129,6 +129,16 @@ class Response:
     finish_reason: Optional[str] = None
     prompt_cache: Optional[List[Any]] = None
     speculation: Optional[RowSpeculation] = None
+
+
+class _QueuedRound(NamedTuple):
+    """A drafting round computing, not yet decided (the arguments of _finish_round)."""
+
+    fed: List[int]  # each row's token the round feeds first
+    columns: mx.array  # (B, K + 1): those tokens, the drafts, padding
+    logits: mx.array  # the verify's, lazy
+    read_drafts: Callable[[], List[List[int]]]  # each row's drafts, once computed
+    top: float  # when it was queued
 
 
 @dataclass
@@ -252,9 +262,7 @@ class BatchGenerator:
         self._draft_lag: List[mx.array] = []  # (B,) tokens of plain steps the draft has not seen
         self._last_round: Optional[Tuple[int, int, float]] = None  # the last step's (rows, K, top)
         self._round_timed = True  # nothing but the last round ran since it started
-        # A drafting round queued at the end of the last step, decided by the next one:
-        # (fed, columns, logits, read_drafts, top) for _finish_round.
-        self._pending: Optional[tuple] = None
+        self._pending: Optional[_QueuedRound] = None  # queued by the last step, decided by the next
         self._plain_next: Optional[int] = None  # rows of a batch whose next step was chosen plain
         # Cache lists hold the target's entries, then (with a draft model) the draft's.
         self._num_target = len(make_prompt_cache(model))
@@ -615,7 +623,7 @@ class BatchGenerator:
             return
         fed = self._tokens.tolist()
         columns, read_drafts = self._model_drafts(fed, rooms)
-        self._pending = (fed, columns, self._queue_verify(columns), read_drafts, top)
+        self._pending = _QueuedRound(fed, columns, self._queue_verify(columns), read_drafts, top)
 
     def _cancel_pending(self) -> None:
         """Undo a queued round before the batch changes from outside (remove,
@@ -623,9 +631,8 @@ class BatchGenerator:
         step drafts afresh."""
         if self._pending is None:
             return
-        _, columns, _, _, _ = self._pending
-        self._pending = None
-        trim_rows(self._caches[: self._num_target], [columns.shape[1]] * len(self._active))
+        num_columns, self._pending = self._pending.columns.shape[1], None
+        trim_rows(self._caches[: self._num_target], [num_columns] * len(self._active))
         self._settle_draft([0] * len(self._active), [])
         self._round_timed = False
 
