@@ -665,11 +665,11 @@ class DraftLengthPolicy:
     belief the counts give (AcceptanceEstimate.optimistic): while few rounds were
     seen, drafting gets the benefit of the doubt, which is also how it learns a (a
     plain round tells nothing, and judged on the bare estimate a good draft's early
-    misses sent it to plain steps for 16 rounds at a time: 0.89 of the best fixed k
-    on recorded demo-pair outputs instead of 0.96). At probe rounds a neighbour of
-    the best k instead (k + 1 and k - 1 in turn; k = 1 from k = 0), so costs stay
-    measured around the choice and a draft that starts agreeing again after a run of
-    plain rounds is noticed. Probes come every `probe_interval` rounds; a probe after
+    misses sent it to plain steps for 16 rounds at a time: 0.86 of the best fixed k
+    instead of 0.93 in benchmarks/draft_policy_replay.py's greedy 80-token calls). At
+    probe rounds a neighbour of the best k instead (k + 1 and k - 1 in turn; k = 1
+    from k = 0), so costs stay measured around the choice and a draft that starts
+    agreeing again after a run of plain rounds is noticed. Probes come every `probe_interval` rounds; a probe after
     which plain rounds are still the best doubles the interval to the next (up to
     `max_probe_interval`: a draft that never agrees, or agrees too rarely to pay,
     then costs one draft step every 64 rounds, and one that starts agreeing again is
