@@ -17,7 +17,8 @@ How a sequence goes through (`BatchGenerator.next` does one step of each stage):
 4. Finished (a stop token or max_tokens) or removed: its row leaves the batch.
 
 Speculation (`prompt_lookup=True`, or a `draft_model` whose caches are batched beside
-the target's and drafts every row greedily in K single-token steps): each row drafts
+the target's and drafts every row greedily in K single-token steps, a recurrent draft
+rolling each row back from its layers' records of those steps): each row drafts
 from its own prompt and output (at most its num_draft_tokens, and as many as the
 batch's draft-length policy, drafters.BatchDraftLengthPolicy, finds fastest: K = 0 is a
 plain step, pipelined, which the draft model sits out), one forward verifies every row's
@@ -167,14 +168,14 @@ class _Sequence:
 GREEDY = make_sampler()  # rows with this sampler speculate by token matching
 
 
-def check_rollback(model: nn.Module) -> None:
-    """Speculating rows roll back every cache entry: recurrent states only through
-    their layers' records (`supports_speculative_rollback`)."""
+def check_rollback(model: nn.Module, role: str = "speculation in a batch") -> None:
+    """Speculating rows roll back every cache entry of the target and the draft:
+    recurrent states only through their layers' records (`supports_speculative_rollback`)."""
     layers_record = getattr(type(model), "supports_speculative_rollback", False)
     entries = make_prompt_cache(model)
     blocked = sorted({type(c).__name__ for c in entries if c.needs_layer_records and not layers_record})
     if blocked:
-        raise ValueError(f"prompt_lookup needs every cache of {type(model).__module__} to roll back, but "
+        raise ValueError(f"{role} needs every cache of {type(model).__module__} to roll back, but "
                          f"{', '.join(blocked)} entries cannot: its layers do not record rollbacks")
 
 
@@ -184,14 +185,6 @@ def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
     while n < len(drafts) and drafts[n] == targets[n]:
         n += 1
     return n
-
-
-def check_draft(draft_model: nn.Module) -> None:
-    """A draft in a batch rolls back by its KV columns; recurrent drafts are not batched."""
-    blocked = sorted({type(c).__name__ for c in make_prompt_cache(draft_model) if c.needs_layer_records})
-    if blocked:
-        raise ValueError(f"a draft model in a batch needs attention caches only; {type(draft_model).__module__} "
-                         f"has {', '.join(blocked)} entries (speculate with it one request at a time)")
 
 
 def _seeded_key(seed: int, step: int) -> int:
@@ -210,7 +203,7 @@ class BatchGenerator:
     sequences are admitted (prefilling or decoding) at once; the rest wait in order.
     `stop_tokens` end a sequence (the stop token is reported, finish_reason "stop").
     With `return_prompt_caches`, each finished sequence's last Response carries its caches.
-    With `prompt_lookup` or a `draft_model` (attention caches only), rows speculate
+    With `prompt_lookup` or a `draft_model` (recurrent ones too), rows speculate
     (module docstring); with a draft model a cache list holds the target's entries, then
     the draft's (given to `insert`, returned by `remove` and in responses). With
     `fixed_draft_length` every speculating row drafts its cap each round, as a row
@@ -254,7 +247,7 @@ class BatchGenerator:
                 raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
             PromptLookup(max_ngram_size)  # checks it
         if draft_model is not None:
-            check_draft(draft_model)
+            check_rollback(draft_model, "a draft model in a batch")
         self.prompt_lookup, self.num_draft_tokens, self.max_ngram_size = prompt_lookup, num_draft_tokens, max_ngram_size
         self.draft_model = draft_model
         self.speculating = prompt_lookup or draft_model is not None
@@ -428,8 +421,12 @@ class BatchGenerator:
         merged = merge_caches([s.cache for s in joining])
         self._caches = merged if self._caches is None else extend_caches(self._caches, merged)
         if self.speculating:  # (a join comes between rounds: no rollback is pending)
-            for entry in self._caches:
-                entry.start_speculation()
+            for entry in self._caches[: self._num_target]:
+                entry.start_speculation()  # one verify a round
+            # A draft steps up to K times a round, and rolls back up to K tokens.
+            window = max(s.num_draft_tokens for s in self._active + joining) + 1
+            for entry in self._caches[self._num_target :]:
+                entry.start_speculation(window)
         tokens = [s.first[0] if s.first else s.prompt for s in joining]
         self._tokens = mx.concatenate(([self._tokens] if self._tokens is not None else []) + tokens)
         self._logprobs += [s.first[1][0] if s.first else None for s in joining]

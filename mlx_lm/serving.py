@@ -5,11 +5,10 @@ Serving. The model (and `--draft-model`) is loaded once. Request handler threads
 parse, validate and tokenize (tokenizing needs no MLX); every MLX computation runs on
 one worker thread that takes jobs from a queue. That worker is a BatchWorker:
 concurrent requests decode together in one BatchGenerator (continuous batching,
-`--max-batch-size` at once, speculating inside the batch with `--prompt-lookup`),
-each greedy answer the one it gets alone. With `--max-batch-size 1` or a
-`--draft-model` it is a GenerationWorker, which serves one request at a time (a
-BatchWorker can batch an attention-only draft, see `can_batch`; the server does not
-use that yet).
+`--max-batch-size` at once, speculating inside the batch with `--prompt-lookup` or a
+`--draft-model`), each greedy answer the one it gets alone. With `--max-batch-size 1`,
+`--mtp` or under mlx.launch it is a GenerationWorker, which serves one request at a
+time.
 
 Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
 with a 400 on the handler thread, before any model work; a text too long to fit even
@@ -526,13 +525,6 @@ class GenerationWorker:
         return TokenLogprob(decode([response.token]), row[response.token].item(), top)
 
 
-def can_batch(served: ServedModel) -> bool:
-    """Whether a BatchWorker can serve this model: any target, and a draft model whose
-    caches are all attention caches (a recurrent draft speculates one request at a time)."""
-    draft = served.draft_model
-    return draft is None or not any(c.needs_layer_records for c in make_prompt_cache(draft))
-
-
 class _Stream:
     """A request in the batch: its prompt, what it has produced, how its text goes out."""
 
@@ -556,7 +548,7 @@ class BatchWorker(GenerationWorker):
     batching, at most `max_batch_size` decoding at once, admitted first come first
     served); a request for another model (--allow-other-models) runs alone, in its
     turn, once the requests before it have finished. With --prompt-lookup or a
-    --draft-model (attention caches only, see `can_batch`), requests without penalties
+    --draft-model (recurrent ones too), requests without penalties
     speculate inside the batch (each row drafts, at most its num_draft_tokens a round:
     as many as the batch's draft-length policy finds fastest, or all of them with
     --fixed-draft-length or a seed; one forward verifies all rows, each keeps its own

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from checkpoints import TINY_CONFIGS
 from mlx_lm import batching
 from mlx_lm.batching import BatchGenerator, batch_generate
-from mlx_lm.drafters import BatchDraftLengthPolicy
+from mlx_lm.drafters import BatchDraftLengthPolicy, ids_within
 from mlx_lm.generate import generate_step
 from mlx_lm.models.batch_cache import (
     _AlignedKV, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,
@@ -417,7 +417,8 @@ def perturbed(name, noise=0.03):
 
 
 @pytest.mark.parametrize("name, draft_of", [("qwen3", "qwen3"), ("mistral_sliding", "mistral_sliding"),
-                                            ("gpt_oss", "gpt_oss"), ("qwen3_next", "qwen3"), ("lfm2", "qwen3")])
+                                            ("gpt_oss", "gpt_oss"), ("qwen3_next", "qwen3"), ("lfm2", "qwen3"),
+                                            ("qwen3", "qwen3_next"), ("qwen3_next", "qwen3_next"), ("qwen3", "lfm2")])
 def test_draft_model_in_the_batch_equals_solo(name, draft_of, monkeypatch):
     monkeypatch.setattr(_AlignedKV, "step", 8)
     model, draft = tiny_model(name), perturbed(draft_of)
@@ -434,9 +435,10 @@ def test_draft_model_in_the_batch_equals_solo(name, draft_of, monkeypatch):
     for i, (p, a) in enumerate(zip(prompts, answers)):
         assert out[i] == a, (name, i)
         assert_same_caches(caches[i][:num_target], solo_caches[i])
-        # The draft's half holds the same tokens: it continues like a fresh feed of them.
+        # The draft's half holds the same tokens (ids past its table as 0): it continues
+        # like a fresh feed of them.
         fresh = make_prompt_cache(draft)
-        draft(mx.array(p + a)[None], cache=fresh)
+        draft(ids_within(mx.array(p + a), draft.args.vocab_size)[None], cache=fresh)
         assert_same_caches(caches[i][num_target:], fresh)
 
 
@@ -464,8 +466,14 @@ def test_a_draft_that_sits_out_plain_steps_catches_up(monkeypatch):
 
 
 def test_draft_model_must_batch_its_caches():
-    with pytest.raises(ValueError, match="attention caches only"):
-        BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3_next"))
+    Plain = type("Plain", (type(tiny_model("qwen3_next")),), {"supports_speculative_rollback": False})
+    draft = tiny_model("qwen3_next")
+    draft.__class__ = Plain
+    try:
+        with pytest.raises(ValueError, match="a draft model in a batch needs every cache .* ArraysCache"):
+            BatchGenerator(tiny_model("qwen3"), draft_model=draft)
+    finally:
+        draft.__class__ = Plain.__bases__[0]
     with pytest.raises(ValueError, match="not both"):
         BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3"), prompt_lookup=True)
 

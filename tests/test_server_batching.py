@@ -13,7 +13,7 @@ from server_harness import start_server
 from mlx_lm.generate import generate
 from mlx_lm.openai_api import ServerDefaults, parse_request
 from mlx_lm.server import setup_arg_parser
-from mlx_lm.serving import BatchWorker, ModelProvider, can_batch
+from mlx_lm.serving import BatchWorker, ModelProvider
 
 MAX_TOKENS = 10
 QUESTIONS = ["Hi.", "Client number one asks a rather longer question than the others do.", "What now?",
@@ -285,10 +285,13 @@ def test_stop_string_inside_a_speculated_step(model_dirs, monkeypatch):
     assert fetched.num_cached == len(key) and continues_like_a_fresh_feed(served, key, fetched.prompt_cache)
 
 
-def test_draft_model_speculates_inside_the_batch(model_dirs, tmp_path):
-    draft_dir = write_checkpoint(tmp_path / "draft", TINY_CONFIGS["qwen3"], scale=0.45)  # agrees about half the time
+@pytest.mark.parametrize("draft", ["dense", "hybrid"])
+def test_draft_model_speculates_inside_the_batch(draft, model_dirs, tmp_path):
+    if draft == "dense":
+        draft_dir = write_checkpoint(tmp_path / "draft", TINY_CONFIGS["qwen3"], scale=0.45)  # agrees about half the time
+    else:
+        draft_dir = model_dirs["hybrid"]  # recurrent rows roll back from its layers' records
     provider = ModelProvider(str(model_dirs["dense"]), str(draft_dir), False, 10, 1 << 40, None)
-    assert can_batch(provider.default)
     worker = BatchWorker(provider, prefill_step_size=8, max_batch_size=3)
     served = provider.default
     bodies = [{"messages": user(q), "stream": i == 1} for i, q in enumerate(QUESTIONS)]
@@ -296,7 +299,5 @@ def test_draft_model_speculates_inside_the_batch(model_dirs, tmp_path):
         answer = result(got)
         assert answer.text == reference(served, body["messages"])
         assert answer.speculation.num_target_forwards >= 1
-    assert worker.generator.stats().accepted_tokens > 0
-    # A recurrent draft rolls back only one request at a time: that server keeps the old worker.
-    recurrent = ModelProvider(str(model_dirs["dense"]), str(model_dirs["hybrid"]), False, 10, 1 << 40, None)
-    assert not can_batch(recurrent.default)
+    assert worker.generator.stats().draft_tokens > 0
+    assert worker.generator.stats().accepted_tokens > 0 or draft == "hybrid"

@@ -415,12 +415,16 @@ class BatchArraysCache(ArraysCache):
     """ArraysCache rows (recurrent and conv state) stacked along the batch axis.
 
     While speculating, the layers record each forward (`record_rollback`, as for one
-    sequence) and `trim_rows` rewinds each row by its own count: the replay of the
-    forward's first m tokens is computed once per distinct m and each row takes its own.
-    A new record commits the previous forward (a batch verifies once per round)."""
+    sequence) and `trim_rows` rewinds each row by its own count: the state after the
+    first m recorded tokens is rebuilt once per distinct m (a record's snapshot, or its
+    replay of a prefix) and each row takes its own. Records stack while the newer ones
+    cover fewer than `rollback_window` tokens: a target verifies once per round (a
+    window of 1: a new record commits the previous forward), a draft model steps K
+    times (a window of K + 1). A trim commits everything recorded."""
 
     _speculating = False
-    _record: Optional[Tuple[int, Callable, List[Optional[mx.array]]]] = None
+    _window = 1
+    _records: List[Tuple[int, Callable, List[Optional[mx.array]]]] = []  # newest last
     bookkeeping: List[mx.array] = []  # the state is each step's output
 
     @classmethod
@@ -436,7 +440,7 @@ class BatchArraysCache(ArraysCache):
 
     def _like(self, arrays: List[Optional[mx.array]]) -> "BatchArraysCache":
         made = BatchArraysCache(len(arrays))
-        made.cache, made._speculating = arrays, self._speculating
+        made.cache, made._speculating, made._window = arrays, self._speculating, self._window
         return made
 
     def extend(self, other: ArraysCache) -> "BatchArraysCache":
@@ -465,31 +469,42 @@ class BatchArraysCache(ArraysCache):
     def speculating(self) -> bool:
         return self._speculating
 
-    def start_speculation(self, rollback_window: int = 0) -> None:
-        self._speculating, self._record = True, None
+    def start_speculation(self, rollback_window: int = 1) -> None:
+        self._speculating, self._window, self._records = True, max(rollback_window, 1), []
 
     def stop_speculation(self) -> None:
-        self._speculating, self._record = False, None
+        self._speculating, self._records = False, []
 
     def record_rollback(self, num_tokens: int, fn: Callable, snapshot: List[Optional[mx.array]]) -> None:
         if not self._speculating:
             raise RuntimeError("record_rollback called on a BatchArraysCache that is not speculating")
-        self._record = (num_tokens, fn, list(snapshot))
+        self._records = self._records + [(num_tokens, fn, list(snapshot))]
+        while len(self._records) > 1 and sum(n for n, _, _ in self._records[1:]) >= self._window:
+            self._records = self._records[1:]
 
     def is_trimmable(self) -> bool:
         return self._speculating
 
+    def _state_after(self, m: int) -> List[Optional[mx.array]]:
+        """The state after the first m of the recorded tokens."""
+        start = 0
+        for num_tokens, fn, snapshot in self._records:
+            if m == start:
+                return snapshot
+            if m < start + num_tokens:
+                return list(fn(m - start))
+            start += num_tokens
+        return self.cache
+
     def trim_rows(self, counts: Sequence[int]) -> None:
-        """Rewind row b by counts[b] of the last forward's tokens."""
-        record, self._record = self._record, None
-        if not any(counts):
-            return
-        if record is None or max(counts) > record[0]:
-            raise RuntimeError(f"cannot roll rows back by {list(counts)}: the last forward recorded "
-                               f"{0 if record is None else record[0]} tokens")
-        num_tokens, fn, snapshot = record
-        keeps = [num_tokens - c for c in counts]
-        states = {m: self.cache if m == num_tokens else snapshot if m == 0 else list(fn(m)) for m in set(keeps)}
+        """Rewind row b by counts[b] of the recorded tokens."""
+        recorded = sum(n for n, _, _ in self._records)
+        if any(counts) and max(counts) > recorded:
+            raise RuntimeError(f"cannot roll rows back by {list(counts)}: the last forwards recorded "
+                               f"{recorded} tokens")
+        keeps = [recorded - c for c in counts]
+        states = {m: self._state_after(m) for m in set(keeps)}
+        self._records = []
         if len(states) == 1:
             self.cache = list(states[keeps[0]])
             return
