@@ -20,7 +20,8 @@ and the test suite's 512-token tokenizer. Writes results/server_clients.md and .
 Speculation mode: the demo hybrid target (examples/models/qwen3-next-stdlib) served
 batched without a draft, batched with the demo draft, batched with a draft of the demo
 draft's shape and random weights (it never agrees: the batch's adaptive draft length
-must keep it near plain), and one request at a time with and without the demo draft; N clients each
+must keep it near plain), batched drafting with the target's own MTP head (`--mtp`),
+and one request at a time plain, with the demo draft and with the head; N clients each
 send --requests-per-client greedy completions of the demo prompts. Writes
 results/server_speculation.md and .png.
 
@@ -431,8 +432,10 @@ def run_speculation(args, log_dir: Path) -> dict:
         "batched plain": batch,
         "batched, demo draft": batch + ["--draft-model", DEMO_DRAFT],
         "batched, random draft": batch + ["--draft-model", random_draft],
+        "batched, MTP head": batch + ["--mtp"],
         "one at a time, plain": ["--max-batch-size", 1],
         "one at a time, demo draft": ["--max-batch-size", 1, "--draft-model", DEMO_DRAFT],
+        "one at a time, MTP head": ["--max-batch-size", 1, "--mtp"],
     }
     servers = {}
     try:

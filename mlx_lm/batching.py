@@ -16,18 +16,18 @@ How a sequence goes through (`BatchGenerator.next` does one step of each stage):
    finished row holds its prompt and every token it produced (as after generate_step).
 4. Finished (a stop token or max_tokens) or removed: its row leaves the batch.
 
-Speculation (`prompt_lookup=True`, or a `draft_model` whose caches are batched beside
-the target's and drafts every row greedily in K single-token steps, a recurrent draft
-rolling each row back from its layers' records of those steps): each row drafts
-from its own prompt and output (at most its num_draft_tokens, and as many as the
-batch's draft-length policy, drafters.BatchDraftLengthPolicy, finds fastest: K = 0 is a
-plain step, pipelined, which the draft model sits out), one forward verifies every row's
+Speculation (`prompt_lookup=True`; or, on the device, batch_drafters.py: a `draft_model`
+or the target's own MTP head (`mtp=True`), whose caches are batched beside the target's
+and which draft every row greedily in K single-token steps): each row drafts from its
+own prompt and output (at most its num_draft_tokens, and as many as the batch's
+draft-length policy, drafters.BatchDraftLengthPolicy, finds fastest: K = 0 is a plain
+step, pipelined, which the drafter sits out), one forward verifies every row's
 token and drafts (padded to the longest), each row accepts by its own rule (greedy:
 the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
 so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
 columns become holes, recurrent states are replayed from the layers' records). Rows
-with logits processors decode plainly in the same forward. With a draft model, a round
-is queued (its drafts and verify computing) as soon as the previous one is decided,
+with logits processors decode plainly in the same forward. With a drafter on the
+device, a round is queued (its drafts and verify computing) as soon as the previous one is decided,
 before that one's tokens are returned, unless rows wait to join; a removal or a cache
 copy between steps undoes the queued round first.
 
@@ -44,9 +44,8 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Seque
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import (
-    AcceptanceEstimate, BatchDraftLengthPolicy, PromptLookup, ids_within, point_masses, speculative_sample,
-)
+from .batch_drafters import BatchDraftModel, BatchMTPHead
+from .drafters import AcceptanceEstimate, BatchDraftLengthPolicy, PromptLookup, point_masses, speculative_sample
 from .models.batch_cache import (
     bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
@@ -138,6 +137,7 @@ class _QueuedRound(NamedTuple):
     fed: List[int]  # each row's token the round feeds first
     columns: mx.array  # (B, K + 1): those tokens, the drafts, padding
     logits: mx.array  # the verify's, lazy
+    hidden: Optional[mx.array]  # the verify's final hidden states, for an MTP head
     read_drafts: Callable[[], List[List[int]]]  # each row's drafts, once computed
     top: float  # when it was queued
 
@@ -157,6 +157,7 @@ class _Sequence:
     num_generated: int = 0
     num_sampled: int = 0
     first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
+    draft_pending: Any = None  # what its drafter keeps for it until it joins (an MTP head: a pair)
     lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
     num_draft_tokens: int = 0  # its cap on drafts per round
     speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
@@ -203,9 +204,10 @@ class BatchGenerator:
     sequences are admitted (prefilling or decoding) at once; the rest wait in order.
     `stop_tokens` end a sequence (the stop token is reported, finish_reason "stop").
     With `return_prompt_caches`, each finished sequence's last Response carries its caches.
-    With `prompt_lookup` or a `draft_model` (recurrent ones too), rows speculate
-    (module docstring); with a draft model a cache list holds the target's entries, then
-    the draft's (given to `insert`, returned by `remove` and in responses). With
+    With `prompt_lookup`, a `draft_model` (recurrent ones too) or `mtp` (a model with
+    a multi-token-prediction head), rows speculate (module docstring); with a draft
+    model or MTP a cache list holds the target's entries, then the drafter's (given to
+    `insert`, returned by `remove` and in responses). With
     `fixed_draft_length` every speculating row drafts its cap each round, as a row
     with a seed and a sampler other than greedy always does (so its draws replay).
     """
@@ -225,6 +227,7 @@ class BatchGenerator:
         num_draft_tokens: int = 3,
         max_ngram_size: int = 3,
         draft_model: Optional[nn.Module] = None,
+        mtp: bool = False,
         fixed_draft_length: bool = False,
     ):
         if completion_batch_size < 1:
@@ -239,9 +242,10 @@ class BatchGenerator:
         self.completion_batch_size = completion_batch_size
         self.prefill_step_size = prefill_step_size
         self.return_prompt_caches = return_prompt_caches
-        if prompt_lookup and draft_model is not None:
-            raise ValueError("give prompt_lookup=True or a draft_model, not both")
-        if prompt_lookup or draft_model is not None:
+        if prompt_lookup + (draft_model is not None) + mtp > 1:
+            raise ValueError("give at most one of prompt_lookup=True, a draft_model and mtp=True")
+        self.speculating = prompt_lookup or draft_model is not None or mtp
+        if self.speculating:
             check_rollback(model)
             if num_draft_tokens < 1:
                 raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
@@ -249,17 +253,18 @@ class BatchGenerator:
         if draft_model is not None:
             check_rollback(draft_model, "a draft model in a batch")
         self.prompt_lookup, self.num_draft_tokens, self.max_ngram_size = prompt_lookup, num_draft_tokens, max_ngram_size
-        self.draft_model = draft_model
-        self.speculating = prompt_lookup or draft_model is not None
+        # A drafter on the device, whose entries follow the target's in each cache list.
+        self._drafter: Union[None, BatchDraftModel, BatchMTPHead] = (
+            BatchDraftModel(draft_model, model.args.vocab_size) if draft_model is not None
+            else BatchMTPHead(model) if mtp else None)
         self._policy = BatchDraftLengthPolicy(adaptive=not fixed_draft_length)
-        self._draft_lag: List[mx.array] = []  # (B,) tokens of plain steps the draft has not seen
         self._last_round: Optional[Tuple[int, int, float]] = None  # the last step's (rows, K, top)
         self._round_timed = True  # nothing but the last round ran since it started
         self._pending: Optional[_QueuedRound] = None  # queued by the last step, decided by the next
         self._plain_next: Optional[int] = None  # rows of a batch whose next step was chosen plain
-        # Cache lists hold the target's entries, then (with a draft model) the draft's.
+        # Cache lists hold the target's entries, then (with a draft model or MTP) the drafter's.
         self._num_target = len(make_prompt_cache(model))
-        self._num_draft = 0 if draft_model is None else len(make_prompt_cache(draft_model))
+        self._num_draft = 0 if self._drafter is None else len(self._drafter.make_cache())
         self._next_uid = 0
         self._queued: Deque[_Sequence] = deque()  # inserted, not yet admitted
         self._prefilling: List[_Sequence] = []  # admitted, prompt being fed
@@ -320,9 +325,10 @@ class BatchGenerator:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
         if cache is None:
-            cache = make_prompt_cache(self.model) + (make_prompt_cache(self.draft_model) if self.draft_model else [])
+            cache = make_prompt_cache(self.model) + (self._drafter.make_cache() if self._drafter else [])
         elif len(cache) != self._num_target + self._num_draft:
-            draft = f", then the draft model's {self._num_draft}" if self.draft_model else ""
+            whose = "MTP head" if isinstance(self._drafter, BatchMTPHead) else "draft model"
+            draft = f", then the {whose}'s {self._num_draft}" if self._drafter else ""
             raise ValueError(f"a cache of {len(cache)} entries does not fit: give the target's {self._num_target} "
                              f"entries{draft}")
         processors = self.logits_processors if processors is None else list(processors)
@@ -382,58 +388,65 @@ class BatchGenerator:
                 progress.append(PromptProgress(s.uid, s.total - s.prompt.size, s.total))
                 continue
             self._prefilling.pop(0)
-            if any(c.empty() for c in s.cache):  # nothing to merge yet: its first token alone
+            if any(c.empty() for c in s.cache[: self._num_target]):  # nothing to merge yet: its first token alone
                 self._first_alone(s)
             else:
                 progress.append(PromptProgress(s.uid, s.total - 1, s.total, prompt_cache=s.cache))
             self._ready.append(s)
         return progress
 
+    def _target(self, tokens: mx.array, cache: List[Any]) -> Tuple[Optional[mx.array], mx.array]:
+        """The target on (B, L) tokens -> (its final hidden states if the drafter
+        needs them, else None; logits (B, L, V))."""
+        if self._drafter is not None and self._drafter.needs_hidden:
+            return self.model.hidden_and_logits(tokens, cache=cache)
+        return None, self.model(tokens, cache=cache)
+
     def _prefill_chunk(self, s: _Sequence, tokens: mx.array) -> None:
         """Feed all of `tokens` but the last (one of generate_step's chunks) to the
-        sequence's caches, the draft's too. Unlike drafters.prefill it keeps MLX's
+        sequence's caches, the drafter's too. Unlike drafters.prefill it keeps MLX's
         buffer cache: the batch decoding meanwhile reuses those buffers."""
         self._round_timed = False
-        self.model(tokens[None, :-1], cache=s.cache[: self._num_target])
-        if self.draft_model is not None:
-            self.draft_model(self._draft_ids(tokens)[None, :-1], cache=s.cache[self._num_target :])
-        mx.eval([c.state for c in s.cache])
-
-    def _draft_ids(self, tokens: mx.array) -> mx.array:
-        """Ids beyond the draft's table fed as 0 (as speculative decoding feeds them)."""
-        return ids_within(tokens, self.draft_model.args.vocab_size)
+        hidden, _ = self._target(tokens[None, :-1], s.cache[: self._num_target])
+        if self._drafter is not None:
+            s.draft_pending = self._drafter.prefill(s.cache[self._num_target :], tokens, hidden, s.draft_pending)
+        mx.eval([c.state for c in s.cache], s.draft_pending)
 
     def _first_alone(self, s: _Sequence) -> None:
         self._round_timed = False
-        if self.draft_model is not None:
-            self.draft_model(self._draft_ids(s.prompt)[None], cache=s.cache[self._num_target :])
-        logits = self.model(s.prompt[None], cache=s.cache[: self._num_target])[:, -1, :]
+        hidden, logits = self._target(s.prompt[None], s.cache[: self._num_target])
         s.num_in_cache += 1
         self._stats.prompt_tokens += 1
-        s.first = self._sample_row(s, logits)
-        mx.async_eval(*s.first)
+        s.first = self._sample_row(s, logits[:, -1, :])
+        if self._drafter is not None:
+            s.draft_pending = self._drafter.first_alone(s.cache[self._num_target :], s.prompt, hidden, s.first[0],
+                                                        s.draft_pending)
+        mx.async_eval(*s.first, s.draft_pending)
 
     def _join_ready(self) -> None:
         if not self._ready:
             return
         joining, self._ready, self._round_timed = self._ready, [], False
-        self._catch_up_draft()
+        self._catch_up()
         merged = merge_caches([s.cache for s in joining])
         self._caches = merged if self._caches is None else extend_caches(self._caches, merged)
+        tokens = [s.first[0] if s.first else s.prompt for s in joining]
+        if self._drafter is not None:
+            self._drafter.join([s.draft_pending for s in joining], mx.concatenate(tokens))
         if self.speculating:  # (a join comes between rounds: no rollback is pending)
             for entry in self._caches[: self._num_target]:
                 entry.start_speculation()  # one verify a round
-            # A draft steps up to K times a round, and rolls back up to K tokens.
-            window = max(s.num_draft_tokens for s in self._active + joining) + 1
+            # A draft model steps up to K times a round, and rolls back up to K tokens.
+            window = self._drafter.rollback_window(max(s.num_draft_tokens for s in self._active + joining)) \
+                if self._drafter is not None else 0
             for entry in self._caches[self._num_target :]:
                 entry.start_speculation(window)
-        tokens = [s.first[0] if s.first else s.prompt for s in joining]
         self._tokens = mx.concatenate(([self._tokens] if self._tokens is not None else []) + tokens)
         self._logprobs += [s.first[1][0] if s.first else None for s in joining]
         self._emit += [s.first is not None for s in joining]
         self._stats.prompt_tokens += sum(s.first is None for s in joining)  # last prompt tokens, fed below
         for s in joining:
-            s.cache, s.prompt, s.first = None, None, None  # the batch holds them now
+            s.cache, s.prompt, s.first, s.draft_pending = None, None, None, None  # the batch holds them now
         self._active += joining
 
     def _decode_step(self) -> List[Response]:
@@ -452,8 +465,9 @@ class BatchGenerator:
             rooms = [0] * len(self._active) if chosen_plain else self._rooms()
             if any(rooms):  # (else a plain step, pipelined as without speculation)
                 fed = self._tokens.tolist()  # drafting needs each row's token now (the last round is done)
-                if self.draft_model is not None:  # (every row with room drafts)
-                    return self._speculative_step(fed, *self._model_drafts(fed, rooms), top)
+                if self._drafter is not None:  # (every row with room drafts)
+                    columns, read_drafts = self._drafter.draft(self._caches[self._num_target :], fed, rooms)
+                    return self._speculative_step(fed, columns, read_drafts, top)
                 drafts = self._drafts(fed, rooms)
                 if any(drafts):
                     columns = [[t] + d + [t] * (max(map(len, drafts)) - len(d)) for t, d in zip(fed, drafts)]
@@ -466,11 +480,11 @@ class BatchGenerator:
                 s.speculation.add_round(0, 0)
             if s.history is not None and emit[i]:
                 s.history = mx.concatenate([s.history, fed[i : i + 1]])
-        make_room(self._caches, 1)
-        if self.draft_model is not None:  # it gets this token when it next drafts (_catch_up_draft)
-            self._draft_lag.append(fed)
-        logits = self.model(fed[:, None], cache=self._caches[: self._num_target])[:, -1, :]  # (B, V)
-        self._tokens, logprobs = self._sample(logits)
+        make_room(self._caches[: self._num_target], 1)
+        hidden, logits = self._target(fed[:, None], self._caches[: self._num_target])
+        self._tokens, logprobs = self._sample(logits[:, -1, :])  # (B,), (B, V)
+        if self._drafter is not None:  # it gets what it missed when it next drafts (catch_up)
+            self._drafter.plain_step(fed, self._tokens, hidden)
         mx.async_eval(self._tokens, logprobs, bookkeeping(self._caches))
         self._logprobs = [logprobs[i] for i in range(len(self._active))]
         self._emit = [True] * len(self._active)
@@ -498,7 +512,7 @@ class BatchGenerator:
     def _retire(self, rows: List[int], responses: List[Response]) -> None:
         """Finished rows leave the batch; their last responses carry their caches if asked."""
         if rows:
-            self._catch_up_draft()
+            self._catch_up()
         if self.return_prompt_caches:
             last = {r.uid: r for r in responses}
             for i in rows:
@@ -547,70 +561,31 @@ class BatchGenerator:
             self._policy.learn_cost(num_rows, k, time.perf_counter() - top)
         self._last_round, self._round_timed = None, True
 
-    def _model_drafts(self, fed: List[int], rooms: List[int]) -> Tuple[mx.array, Callable[[], List[List[int]]]]:
-        """The draft model's greedy continuation of every row (a point mass, so sampling
-        rows keep the target's law), K = the largest room steps for all rows at once:
-        the (B, K + 1) tokens to verify (each row's token, its drafts, then its token
-        again as padding), built on the device so the verify is queued behind the
-        drafts without a sync, and how to read the drafts once it has run."""
-        num_steps = max(rooms)
-        self._catch_up_draft()
-        draft_cache, vocab = self._caches[self._num_target :], self.model.args.vocab_size
-        # Room for the whole round now: a window may only drop columns before it begins
-        # (the rollback goes back to its start).
-        make_room(draft_cache, num_steps + 1)
-        token, steps = mx.array(fed, dtype=mx.uint32), []
-        for _ in range(num_steps):
-            logits = self.draft_model(self._draft_ids(token)[:, None], cache=draft_cache)[:, -1, :vocab]
-            token = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            steps.append(token)
-        self._full_drafts = mx.stack(steps, axis=1)  # (B, K): the draft fed all but the last
-        first = mx.array(fed, dtype=mx.uint32)[:, None]
-        drafted = mx.arange(num_steps)[None] < mx.array(rooms)[:, None]
-        columns = mx.concatenate([first, mx.where(drafted, self._full_drafts, first)], axis=1)
-        return columns, lambda: [d[:room] for d, room in zip(self._full_drafts.tolist(), rooms)]
-
-    def _catch_up_draft(self) -> None:
-        """Feed the draft, in one forward, the tokens plain steps gave the target alone
-        (a plain step costs no draft forward). Every row lags by as many: this runs
-        before rows join or leave and before the draft drafts."""
-        if not self._draft_lag:
-            return
-        tokens, self._draft_lag = mx.stack(self._draft_lag, axis=1), []
-        draft_cache = self._caches[self._num_target :]
-        make_room(draft_cache, tokens.shape[1])
-        self.draft_model(self._draft_ids(tokens), cache=draft_cache)
-        mx.async_eval([c.state for c in draft_cache], bookkeeping(draft_cache))
-
-    def _settle_draft(self, kept: List[int], drafts: List[List[int]]) -> None:
-        """The draft fed each row its token and K - 1 drafts; keep what the target kept
-        (a row that kept all K drafts first gets the last one fed)."""
-        num_fed = self._full_drafts.shape[1]
-        draft_cache = self._caches[self._num_target :]
-        if max(kept) > num_fed:
-            self.draft_model(self._draft_ids(self._full_drafts[:, -1:]), cache=draft_cache)
-            num_fed += 1
-        trim_rows(draft_cache, [num_fed - k for k in kept])
+    def _catch_up(self) -> None:
+        """The drafter is fed what plain steps gave the target alone: before rows join
+        or leave, and before the drafter drafts."""
+        if self._drafter is not None and self._caches is not None:
+            self._drafter.catch_up(self._caches[self._num_target :])
 
     def _speculative_step(self, fed: List[int], columns: mx.array, read_drafts: Callable[[], List[List[int]]],
                           top: float) -> List[Response]:
         """Feed every row its token and drafts (`columns`, (B, K + 1), padded to the
         longest) in one forward; each row accepts drafts by its own rule (_decide) and
         forgets the rest."""
-        return self._finish_round(fed, columns, self._queue_verify(columns), read_drafts, top)
+        return self._finish_round(fed, columns, *self._queue_verify(columns), read_drafts, top)
 
-    def _queue_verify(self, columns: mx.array) -> mx.array:
+    def _queue_verify(self, columns: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
         make_room(self._caches[: self._num_target], columns.shape[1])
-        logits = self.model(columns, cache=self._caches[: self._num_target])  # (B, K+1, V)
+        hidden, logits = self._target(columns, self._caches[: self._num_target])  # (B, K+1, V)
         mx.async_eval(logits)
-        return logits
+        return logits, hidden
 
     def _queue_next_round(self) -> None:
-        """With a draft model, queue the next round's drafts and verify as soon as this
-        one is decided, so they compute while its tokens are handed out (as the
+        """With a draft model or MTP, queue the next round's drafts and verify as soon
+        as this one is decided, so they compute while its tokens are handed out (as the
         single-sequence loop does); the next step decides it. Not while rows wait to
         join (they join between rounds). A plain choice is kept for the next step."""
-        if self.draft_model is None or not self._active or self._ready:
+        if self._drafter is None or not self._active or self._ready:
             return
         self._time_last_round()
         top = time.perf_counter()
@@ -619,8 +594,8 @@ class BatchGenerator:
             self._plain_next = len(self._active)
             return
         fed = self._tokens.tolist()
-        columns, read_drafts = self._model_drafts(fed, rooms)
-        self._pending = _QueuedRound(fed, columns, self._queue_verify(columns), read_drafts, top)
+        columns, read_drafts = self._drafter.draft(self._caches[self._num_target :], fed, rooms)
+        self._pending = _QueuedRound(fed, columns, *self._queue_verify(columns), read_drafts, top)
 
     def _cancel_pending(self) -> None:
         """Undo a queued round before the batch changes from outside (remove,
@@ -630,10 +605,10 @@ class BatchGenerator:
             return
         num_columns, self._pending = self._pending.columns.shape[1], None
         trim_rows(self._caches[: self._num_target], [num_columns] * len(self._active))
-        self._settle_draft([0] * len(self._active), [])
+        self._drafter.cancel(self._caches[self._num_target :])
         self._round_timed = False
 
-    def _finish_round(self, fed: List[int], columns: mx.array, logits: mx.array,
+    def _finish_round(self, fed: List[int], columns: mx.array, logits: mx.array, hidden: Optional[mx.array],
                       read_drafts: Callable[[], List[List[int]]], top: float) -> List[Response]:
         """Decide a verified round: each row accepts drafts by its own rule (_decide),
         reports its tokens and forgets the rest; then the next round is queued."""
@@ -641,7 +616,7 @@ class BatchGenerator:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1).tolist()  # (B, K + 1): the greedy rows' targets
         drafts = read_drafts()
-        responses, finished, trims, tokens, next_logprobs = [], [], [], [], []
+        responses, finished, trims, tokens, next_logprobs, accepted = [], [], [], [], [], []
         all_accepted, round_accepted = True, 0
         for i, s in enumerate(self._active):
             num_accepted, token, token_logprobs = self._decide(i, s, drafts[i], logits, logprobs, greedy[i])
@@ -655,6 +630,7 @@ class BatchGenerator:
                 round_accepted += num_accepted
             tokens.append(token)
             next_logprobs.append(token_logprobs)
+            accepted.append(num_accepted)
             kept, done = self._commit(i, s, fed[i], drafts[i][:num_accepted], logprobs, responses)
             if done:
                 finished.append(i)
@@ -663,12 +639,13 @@ class BatchGenerator:
             trims.append(num_columns - kept)
             s.num_in_cache += kept
         trim_rows(self._caches[: self._num_target], trims)
-        if self.draft_model is not None:
-            self._settle_draft([num_columns - t for t in trims], drafts)
+        self._tokens = mx.concatenate(tokens)
+        if self._drafter is not None:
+            self._drafter.settle(self._caches[self._num_target :], columns, accepted,
+                                 [num_columns - t for t in trims], self._tokens, hidden)
         # The rollback (recurrent rows replay their kept prefix) computes while the
         # tokens are handed out; rounds are timed top to top, so it is this round's cost.
         mx.async_eval([c.state for c in self._caches], bookkeeping(self._caches))
-        self._tokens = mx.concatenate(tokens)
         self._logprobs, self._emit = next_logprobs, [True] * len(self._active)
         # Its outcome learned now, so the next choice knows it; its time at the next top.
         self._policy.update(num_columns - 1, round_accepted, all_accepted)
@@ -727,6 +704,8 @@ class BatchGenerator:
         self._active = [self._active[i] for i in keep]
         self._logprobs = [self._logprobs[i] for i in keep]
         self._emit = [self._emit[i] for i in keep]
+        if self._drafter is not None:
+            self._drafter.filter(keep)
         if keep:
             self._caches = filter_caches(self._caches, keep)
             self._tokens = mx.take(self._tokens, mx.array(keep, dtype=mx.int32))
@@ -770,7 +749,7 @@ class BatchGenerator:
         rows = [i for i, s in enumerate(self._active) if s.uid in wanted]
         if rows:
             self._cancel_pending()
-            self._catch_up_draft()
+            self._catch_up()
         for i in rows:
             s = self._active[i]
             removed[s.uid] = (extract_caches(self._caches, i) if return_prompt_caches else None, s.num_in_cache)
@@ -781,7 +760,7 @@ class BatchGenerator:
         """Copies of the caches of active sequences `uids`, which keep running."""
         rows = {s.uid: i for i, s in enumerate(self._active)}
         self._cancel_pending()
-        self._catch_up_draft()
+        self._catch_up()
         return {uid: extract_caches(self._caches, rows[uid]) for uid in uids if uid in rows}
 
     def stats(self) -> BatchStats:
@@ -795,7 +774,9 @@ class BatchGenerator:
         self._queued.clear()
         self._prefilling, self._ready, self._active = [], [], []
         self._caches, self._tokens, self._logprobs, self._emit = None, None, [], []
-        self._draft_lag, self._last_round, self._pending, self._plain_next = [], None, None, None
+        self._last_round, self._pending, self._plain_next = None, None, None
+        if self._drafter is not None:
+            self._drafter.close()
 
 
 def batch_generate(

@@ -460,8 +460,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-step-size", type=positive_int, default=2048, help="Prompt tokens per prefill forward")
     parser.add_argument("--max-batch-size", type=positive_int, default=8,
                         help="Requests decoded together (continuous batching; with --prompt-lookup or a "
-                             "--draft-model they speculate inside the batch; 1: one at a time). --mtp and "
-                             "mlx.launch serve one at a time")
+                             "--draft-model or --mtp they speculate inside the batch; 1: one at a time). "
+                             "mlx.launch serves one at a time")
     parser.add_argument("--allowed-origins", default="",
                         help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
                              "server, or '*' for any; requests from other pages (they carry an Origin header) "
@@ -548,9 +548,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         distributed_serving.agree_on_cache_bytes(server.provider, group)
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
-    # An MTP head speculates one request at a time; so does a server under mlx.launch
-    # (distributed_serving.py).
-    if group.size() == 1 and args.max_batch_size > 1 and not args.mtp:
+    # A server under mlx.launch serves one request at a time (distributed_serving.py).
+    if group.size() == 1 and args.max_batch_size > 1:
         try:
             server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size,
                                         args.num_draft_tokens, args.prompt_lookup, args.max_ngram_size,

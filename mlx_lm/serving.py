@@ -6,9 +6,9 @@ parse, validate and tokenize (tokenizing needs no MLX); every MLX computation ru
 one worker thread that takes jobs from a queue. That worker is a BatchWorker:
 concurrent requests decode together in one BatchGenerator (continuous batching,
 `--max-batch-size` at once, speculating inside the batch with `--prompt-lookup` or a
-`--draft-model`), each greedy answer the one it gets alone. With `--max-batch-size 1`,
-`--mtp` or under mlx.launch it is a GenerationWorker, which serves one request at a
-time.
+`--draft-model` or `--mtp`), each greedy answer the one it gets alone. With
+`--max-batch-size 1` or under mlx.launch it is a GenerationWorker, which serves one
+request at a time.
 
 Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
 with a 400 on the handler thread, before any model work; a text too long to fit even
@@ -547,8 +547,8 @@ class BatchWorker(GenerationWorker):
     """Runs the served model's requests together in one BatchGenerator (continuous
     batching, at most `max_batch_size` decoding at once, admitted first come first
     served); a request for another model (--allow-other-models) runs alone, in its
-    turn, once the requests before it have finished. With --prompt-lookup or a
-    --draft-model (recurrent ones too), requests without penalties
+    turn, once the requests before it have finished. With --prompt-lookup, a
+    --draft-model (recurrent ones too) or --mtp, requests without penalties
     speculate inside the batch (each row drafts, at most its num_draft_tokens a round:
     as many as the batch's draft-length policy finds fastest, or all of them with
     --fixed-draft-length or a seed; one forward verifies all rows, each keeps its own
@@ -577,7 +577,7 @@ class BatchWorker(GenerationWorker):
             served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
             prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
             num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
-            draft_model=served.draft_model, fixed_draft_length=self.fixed_draft_length,
+            draft_model=served.draft_model, mtp=served.mtp, fixed_draft_length=self.fixed_draft_length,
         )
 
     def run_forever(self) -> None:

@@ -474,7 +474,7 @@ def test_draft_model_must_batch_its_caches():
             BatchGenerator(tiny_model("qwen3"), draft_model=draft)
     finally:
         draft.__class__ = Plain.__bases__[0]
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="at most one of"):
         BatchGenerator(tiny_model("qwen3"), draft_model=tiny_model("qwen3"), prompt_lookup=True)
 
 

@@ -390,3 +390,113 @@ def test_a_second_turn_continues_the_prompt_cache(checkpoints):
                                             prompt_cache=caches["plain"])]
         assert got == want
     assert caches["mtp"][-1].offset > 0
+
+
+# --- inside a batch ------------------------------------------------------------------
+
+
+def batch_prompts():
+    """Prompts of mixed lengths (one of a single token: its first token is sampled alone)."""
+    return [PROMPT, PROMPT[:3] + [250, 17], [9], PROMPT[2:] + PROMPT[:5] + [33, 21]]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_mtp_in_the_batch_equals_solo_and_drafts_as_solo(checkpoints, family):
+    """Rows join as others run (two at a time) and leave at their own lengths; each
+    answer equals its plain solo run, each row accepts exactly as many drafts as a
+    solo MTP run with the same fixed draft length (so the head sees the same pairs),
+    and each returned head cache holds the pairs of the row's tokens but the last."""
+    from mlx_lm.batching import BatchGenerator
+
+    model = load_family(checkpoints, family)
+    prompts, budgets = batch_prompts(), [14, 9, 12, 16]
+    plain = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=b)] for p, b in zip(prompts, budgets)]
+    solo = []
+    for p, b in zip(prompts, budgets):
+        stats = SpeculationStats()
+        list(speculative_generate_step(mx.array(p), model, mtp=True, num_draft_tokens=3,
+                                       adaptive_draft_length=False, max_tokens=b, stats=stats))
+        solo.append(stats)
+    generator = BatchGenerator(model, mtp=True, num_draft_tokens=3, fixed_draft_length=True,
+                               completion_batch_size=2, prefill_step_size=4, return_prompt_caches=True)
+    uids = generator.insert(prompts, max_tokens=budgets)
+    out, last = {u: [] for u in uids}, {}
+    while len(generator):
+        for r in generator.next_generated():
+            out[r.uid].append(r.token)
+            if r.finish_reason:
+                last[r.uid] = r
+    num_target = len(model.layers)
+    for i, u in enumerate(uids):
+        assert out[u] == plain[i], i
+        assert last[u].speculation.num_accepted == solo[i].num_accepted, (i, last[u].speculation, solo[i])
+        held = prompts[i] + out[u]
+        head = last[u].prompt_cache[num_target:]
+        assert len(head) == 1 and head[0].offset == len(held) - 1
+        want = reference_head_cache(model, held)[0]
+        for got, expected in zip(head[0].state, want.state):
+            np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-4)
+    assert 0 < generator.stats().accepted_tokens < generator.stats().draft_tokens
+
+
+def test_a_queued_mtp_round_is_undone_when_rows_are_removed_or_copied(checkpoints):
+    """A copy of a row's caches or a removal between steps (a round queued) holds the
+    reported tokens: the target's, and the head's pairs of them but the last; the rows
+    that stay go on as alone, with the drafts of a solo run."""
+    from mlx_lm.batching import BatchGenerator
+
+    model = load_family(checkpoints, "qwen3_next")
+    prompts = batch_prompts()[:3]
+    plain = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=16)] for p in prompts]
+    generator = BatchGenerator(model, max_tokens=16, mtp=True, num_draft_tokens=3, fixed_draft_length=True)
+    uids = generator.insert(prompts)
+    out = {u: [] for u in uids}
+
+    def step_until_queued(min_tokens):
+        while not generator._pending or min(len(out[u]) for u in uids) < min_tokens:
+            for r in generator.next_generated():
+                out[r.uid].append(r.token)
+
+    num_target = len(model.layers)
+
+    def assert_holds(cache, tokens):
+        attention = [c for c in cache[:num_target] if isinstance(c, KVCache)][0]
+        assert attention.offset == len(tokens) and cache[num_target].offset == len(tokens) - 1
+        want = reference_head_cache(model, tokens)[0]
+        for got, expected in zip(cache[num_target].state, want.state):
+            np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-4)
+
+    step_until_queued(3)
+    assert_holds(generator.extract_cache([uids[0]])[uids[0]], prompts[0] + out[uids[0]])
+    step_until_queued(4)
+    cache, num_held = generator.remove([uids[1]], return_prompt_caches=True)[uids[1]]
+    assert num_held == len(prompts[1]) + len(out[uids[1]])
+    assert_holds(cache, prompts[1] + out[uids[1]])
+    while len(generator):
+        for r in generator.next_generated():
+            out[r.uid].append(r.token)
+    assert out[uids[0]] == plain[0] and out[uids[2]] == plain[2]
+    assert out[uids[1]] == plain[1][: len(out[uids[1]])]
+
+
+def test_the_batch_server_speculates_with_the_head(checkpoints):
+    """mlx_lm.server --mtp batches: concurrent requests answer as plain serving does,
+    each drafting with the head inside the batch; a second turn reuses the stored cache."""
+    from test_server_batching import drive, reference, result, user
+
+    from mlx_lm.serving import BatchWorker, ModelProvider
+
+    provider = ModelProvider(str(checkpoints["qwen3_5"]), None, False, 10, 1 << 40, None, mtp=True)
+    worker = BatchWorker(provider, prefill_step_size=8, max_batch_size=3, fixed_draft_length=True)
+    served = provider.default
+    questions = ["hello there", "a longer question, with more words in it", "x", "and again"]
+    bodies = [{"messages": user(q), "stream": i == 1} for i, q in enumerate(questions)]
+    for body, got in zip(bodies, drive(worker, bodies)):
+        answer = result(got)
+        assert answer.text == reference(served, body["messages"])
+        assert answer.speculation.num_drafted > 0
+    assert worker.generator.stats().accepted_tokens > 0
+    follow_up = user("hello there") + [{"role": "assistant", "content": result(drive(worker, bodies[:1])[0]).text}] \
+        + user("and more")
+    answer = result(drive(worker, [{"messages": follow_up}])[0])
+    assert answer.text == reference(served, follow_up) and answer.cached_tokens > 0
