@@ -1,5 +1,6 @@
 """Continuous batching (mlx_lm/batching.py, mlx_lm/models/batch_cache.py): every greedy
-answer equals its solo run, for dense, sliding-window and hybrid (GDN) targets, with mixed
+answer equals its solo run, for dense, sliding-window and hybrid (GDN, short-conv,
+Mamba-2) targets, with mixed
 prompt lengths, sequences joining and leaving mid-flight, removal, prompt caches and stop
 tokens; seeded sampling does not depend on the batch."""
 
@@ -13,7 +14,8 @@ from mlx_lm.batching import BatchGenerator, batch_generate
 from mlx_lm.drafters import BatchDraftLengthPolicy, ids_within
 from mlx_lm.generate import generate_step
 from mlx_lm.models.batch_cache import (
-    _AlignedKV, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,
+    _AlignedKV, BatchArraysCache, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,
+    trim_rows,
 )
 from mlx_lm.models.cache import (
     KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache, maybe_quantize_kv_cache,
@@ -31,12 +33,18 @@ LFM2_CONFIG = dict(
     num_key_value_heads=2, intermediate_size=128, block_auto_adjust_ff_dim=False,
     layer_types=["conv", "full_attention", "conv", "full_attention"],
 )
+NEMOTRON_H_CONFIG = dict(
+    model_type="nemotron_h", vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, intermediate_size=128,
+    hybrid_override_pattern="M*M-", num_hidden_layers=4,
+)
 CONFIGS = {
     "qwen3": TINY_CONFIGS["qwen3"],  # dense KV
     "mistral_sliding": SLIDING_CONFIG,  # a window of 6 next to a full layer
     "gpt_oss": TINY_CONFIGS["gpt_oss"],  # windows of 8, attention sinks, experts
     "qwen3_next": TINY_CONFIGS["qwen3_next"],  # GDN recurrent + conv state
     "lfm2": LFM2_CONFIG,  # short-conv state
+    "nemotron_h": NEMOTRON_H_CONFIG,  # Mamba-2 SSM + conv state
 }
 # Heads of 32: KV quantizable in groups of 32.
 MODEL_CONFIGS = dict(CONFIGS, quantizable=dict(TINY_CONFIGS["qwen3"], num_attention_heads=2, num_key_value_heads=1,
@@ -592,3 +600,39 @@ def test_a_batch_stops_drafting_what_is_never_accepted(monkeypatch):
     generator = BatchGenerator(model, max_tokens=40, prompt_lookup=True, num_draft_tokens=3, fixed_draft_length=True)
     assert generate_all(generator, prompts, 40)[0] == wants
     assert generator.stats().draft_tokens == 2 * 40
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "nemotron_h"])
+def test_recurrent_rows_roll_back_by_their_own_counts_in_one_replay(name, monkeypatch):
+    """After a verify of 4 tokens, rows keeping 4, 3, 1 and 0 of them: each layer replays
+    once, every row's own prefix, and each row's caches equal a solo feed of what it keeps."""
+    calls = []
+    record = BatchArraysCache.record_rollback
+
+    def counting(self, num_tokens, fn, snapshot):
+        def replay(m):
+            calls.append(m)
+            return fn(m)
+        record(self, num_tokens, replay, snapshot)
+
+    monkeypatch.setattr(BatchArraysCache, "record_rollback", counting)
+    model = tiny_model(name)
+    prompts = [prompt(n, seed) for seed, n in enumerate([7, 5, 9, 6])]
+    fed = [prompt(4, 10 + seed) for seed in range(4)]
+    rows = []
+    for p in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array(p)[None], cache=cache)
+        rows.append(cache)
+    batch = merge_caches(rows)
+    for entry in batch:
+        entry.start_speculation()
+    make_room(batch, 4)
+    model(mx.array(fed), cache=batch)
+    keeps = [4, 3, 1, 0]
+    trim_rows(batch, [4 - k for k in keeps])
+    num_recurrent = sum(isinstance(c, BatchArraysCache) for c in batch)
+    assert calls == [keeps] * num_recurrent
+    for i, (p, f, k) in enumerate(zip(prompts, fed, keeps)):
+        solo_cache = make_prompt_cache(model)
+        model(mx.array(p + f[:k])[None], cache=solo_cache)
+        assert_same_caches(extract_caches(batch, i), solo_cache)

@@ -415,9 +415,11 @@ class BatchArraysCache(ArraysCache):
     """ArraysCache rows (recurrent and conv state) stacked along the batch axis.
 
     While speculating, the layers record each forward (`record_rollback`, as for one
-    sequence) and `trim_rows` rewinds each row by its own count: the state after the
-    first m recorded tokens is rebuilt once per distinct m (a record's snapshot, or its
-    replay of a prefix) and each row takes its own. Records stack while the newer ones
+    sequence) and `trim_rows` rewinds each row by its own count: within one record, in
+    one replay of every row's own prefix (rows that keep it all keep their state); across
+    the stacked records of a draft's steps, the state after the first m recorded tokens
+    is rebuilt once per distinct m (a record's snapshot, mostly) and each row takes its
+    own. Records stack while the newer ones
     cover fewer than `rollback_window` tokens: a target verifies once per round (a
     window of 1: a new record commits the previous forward), a draft model steps K
     times (a window of K + 1). A trim commits everything recorded."""
@@ -485,10 +487,10 @@ class BatchArraysCache(ArraysCache):
     def is_trimmable(self) -> bool:
         return self._speculating
 
-    def _state_after(self, m: int) -> List[Optional[mx.array]]:
-        """The state after the first m of the recorded tokens."""
+    def _state_after(self, records, m: int) -> List[Optional[mx.array]]:
+        """The state after the first m of the tokens `records` recorded."""
         start = 0
-        for num_tokens, fn, snapshot in self._records:
+        for num_tokens, fn, snapshot in records:
             if m == start:
                 return snapshot
             if m < start + num_tokens:
@@ -503,8 +505,14 @@ class BatchArraysCache(ArraysCache):
             raise RuntimeError(f"cannot roll rows back by {list(counts)}: the last forwards recorded "
                                f"{recorded} tokens")
         keeps = [recorded - c for c in counts]
-        states = {m: self._state_after(m) for m in set(keeps)}
-        self._records = []
+        records, self._records = self._records, []
+        if len(set(keeps)) > 1 and len(records) == 1:
+            _, fn, _ = records[0]
+            kept_all = mx.array([m == recorded for m in keeps])
+            self.cache = [mx.where(kept_all.reshape(-1, *[1] * (a.ndim - 1)), a, replayed)
+                          for a, replayed in zip(self.cache, fn(keeps))]
+            return
+        states = {m: self._state_after(records, m) for m in set(keeps)}
         if len(states) == 1:
             self.cache = list(states[keeps[0]])
             return

@@ -577,7 +577,9 @@ class ArraysCache(_BaseCache):
     ) -> None:
         """Called by a layer during a speculative forward of num_tokens tokens:
         `snapshot` holds the entries before it and `fn(m)` returns the exact entries
-        after only its first m tokens (0 < m < num_tokens)."""
+        after only its first m tokens (0 < m < num_tokens); given a list of counts,
+        one per row (0 <= m[b] <= num_tokens), each row's after its own, in one replay
+        (a batch, models/batch_cache.py)."""
         if self._rollbacks is None:
             raise RuntimeError("record_rollback called on an ArraysCache that is not speculating")
         snapshot = list(snapshot)

@@ -23,9 +23,11 @@ References: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (arXiv 2412.06464);
 Yang et al., "Parallelizing Linear Transformers with the Delta Rule" (arXiv 2406.06484).
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from .ssm import steps_mask
 
 # Tokens per chunk of the chunked path (the intra-chunk matrices are CHUNK_SIZE^2).
 CHUNK_SIZE = 32
@@ -292,10 +294,13 @@ def gated_delta_replay(
     g: mx.array,
     beta: mx.array,
     state: Optional[mx.array] = None,
+    num_steps: Optional[Sequence[int]] = None,
 ) -> mx.array:
     """Only the state after T recorded steps from `state`: a speculative rollback
     replaying the accepted prefix of a verify forward. Shapes as in gated_delta_recurrence;
-    returns (B, Hv, Dv, Dk) fp32.
+    returns (B, Hv, Dv, Dk) fp32. `num_steps`: row b replays only its first num_steps[b]
+    steps (a batch whose rows roll back by different counts, in one replay): g = 1,
+    beta = 0 leave the state exactly as it is.
 
     Several steps run as one chunk of the next power of two, which reads and rewrites
     the state once where stepping does so T times (the state dominates the cost: 2 MB a
@@ -303,6 +308,9 @@ def gated_delta_replay(
     g, beta, state = _fp32_inputs(q, k, v, g, beta, state)
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
+    if num_steps is not None:
+        replayed = steps_mask(num_steps, T)[..., None]  # (B, T, 1)
+        g, beta = mx.where(replayed, g, 1.0), mx.where(replayed, beta, 0.0)
     if T == 1:
         return gated_delta_sequential(q, k, v, g, beta, state)[1]
     k = mx.repeat(k, Hv // Hk, axis=2) if Hv != Hk else k  # value head h reads key head h // r

@@ -38,6 +38,7 @@ from .base import (
 from .cache import ArraysCache, KVCache
 from .qwen3_next import causal_conv1d
 from .rope_utils import initialize_rope, resolve_rope
+from .ssm import conv_state_after
 
 CONV, FULL_ATTENTION = "conv", "full_attention"
 CONV_STATE = 0  # the one slot of a conv layer's ArraysCache
@@ -139,12 +140,12 @@ def feed_forward_dim(width: int, auto_adjust: bool, multiplier: Optional[float],
     return width
 
 
-def conv_prefix_state(conv_input: mx.array, num_tokens: int, m: int) -> List[mx.array]:
+def conv_prefix_state(conv_input: mx.array, num_tokens: int, m: Union[int, List[int]]) -> List[mx.array]:
     """A conv layer's cache entries after only the first m of the num_tokens tokens of a
     forward whose conv input (B, K-1+num_tokens, C) was [pre-forward state ; new rows]:
-    the state is the K-1 input rows before token m, rows [m, m+K-1)."""
-    history = conv_input.shape[1] - num_tokens  # K - 1
-    return [conv_input[:, m : m + history]]
+    the state is the K-1 input rows before token m, rows [m, m+K-1) (m a list: each
+    row's own)."""
+    return [conv_state_after(conv_input, m, conv_input.shape[1] - num_tokens + 1)]
 
 
 class ShortConv(nn.Module):

@@ -226,15 +226,18 @@ def route(logits: mx.array, correction_bias: mx.array, top_k: int, num_groups: i
 
 
 def replay_prefix(conv_input: mx.array, x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
-                  state: Optional[mx.array], kernel_size: int, m: int) -> List[mx.array]:
-    """A Mamba-2 layer's cache entries after only the first m tokens of a recorded forward.
+                  state: Optional[mx.array], kernel_size: int, m: Union[int, List[int]]) -> List[mx.array]:
+    """A Mamba-2 layer's cache entries after only the first m tokens of a recorded forward
+    (m a list: row b after its own m[b], in one replay).
 
     The forward's recurrence inputs (x (b, T, H, P), dt (b, T, H) discretised, A (H,),
     B (b, T, G, N)) are replayed for m steps from the pre-forward `state`; by causality
     that is the state after m tokens. C only reads the state, so it is not needed. The
     conv state is rows [m, m+K-1) of the conv input (b, K-1+T, ch).
     Returns [conv_state, ssm_state]."""
-    state = ssd_replay(x[:, :m], dt[:, :m], A, B[:, :m], state)
+    per_row = None if isinstance(m, int) else m
+    n = m if per_row is None else max(m)
+    state = ssd_replay(x[:, :n], dt[:, :n], A, B[:, :n], state, num_steps=per_row)
     return [conv_state_after(conv_input, m, kernel_size), state]
 
 

@@ -45,6 +45,7 @@ from .cache import ArraysCache, KVCache
 from .gated_delta import compute_g, gated_delta_recurrence, gated_delta_replay
 from .llama import MLP
 from .rope_utils import initialize_rope, resolve_rope
+from .ssm import conv_state_after
 from .switch_layers import SwitchGLU
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -224,17 +225,20 @@ def replay_prefix(
     g: mx.array,
     beta: mx.array,
     state: Optional[mx.array],
-    m: int,
+    m: Union[int, List[int]],
 ) -> List[mx.array]:
-    """A GDN layer's cache entries after only the first m tokens of a recorded forward.
+    """A GDN layer's cache entries after only the first m tokens of a recorded forward
+    (m a list: row b after its own m[b], in one replay).
 
     The forward's exact recurrence inputs (q, k (B, T, Hk, Dk), v (B, T, Hv, Dv), g, beta
     (B, T, Hv)) are replayed for m steps from the pre-forward `state`; by causality that
     is the state after m tokens. The conv state is rows [m, m+K-1) of the conv input
     (B, K-1+T, C). Returns [conv_state, recurrent_state]."""
-    history = conv_input.shape[1] - q.shape[1]  # K - 1
-    state = gated_delta_replay(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)
-    return [conv_input[:, m : m + history], state]
+    kernel_size = conv_input.shape[1] - q.shape[1] + 1
+    per_row = None if isinstance(m, int) else m
+    n = m if per_row is None else max(m)
+    state = gated_delta_replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state, num_steps=per_row)
+    return [conv_state_after(conv_input, m, kernel_size), state]
 
 
 class GatedDeltaNet(nn.Module):

@@ -20,7 +20,7 @@ References: Dao and Gu, "Transformers are SSMs" (arXiv 2405.21060); transformers
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -183,10 +183,12 @@ def ssd_update(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
 
 
 def ssd_replay(x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
-               state: Optional[mx.array] = None) -> mx.array:
+               state: Optional[mx.array] = None, num_steps: Optional[Sequence[int]] = None) -> mx.array:
     """Only the state after T recorded steps from `state`: a speculative rollback
     replaying the accepted prefix of a verify forward. Shapes as in ssd_update; returns
-    (b, H, P, N) fp32.
+    (b, H, P, N) fp32. `num_steps`: row i replays only its first num_steps[i] steps
+    (a batch whose rows roll back by different counts, in one replay): dt = 0 leaves
+    the state exactly as it is.
 
     One step runs the decode step itself, so a draft's rollback to one token is bit for
     bit what feeding that token gives. Several steps use the closed form
@@ -194,6 +196,8 @@ def ssd_replay(x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
     which reads and writes the state once where stepping does so T times."""
     x, dt, A, B, _, state = _fp32_inputs(x, dt, A, B, None, state)
     Bt, T, H, P = x.shape
+    if num_steps is not None:
+        dt = mx.where(steps_mask(num_steps, T)[..., None], dt, 0.0)
     xg, dtg, Ag, S = _grouped(x, dt, A, B, state)
     if T == 1:
         return _step(S, xg[:, 0], dtg[:, 0], Ag, B[:, 0], mx.zeros_like(B[:, 0]))[1].reshape(state.shape)
@@ -203,6 +207,11 @@ def ssd_replay(x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
     writes = xw @ B.transpose(0, 2, 1, 3)[:, :, None]  # (b, G, r, P, N)
     S = mx.exp(gamma[:, -1])[..., None, None] * S + writes
     return S.reshape(state.shape)
+
+
+def steps_mask(num_steps: Sequence[int], num_tokens: int) -> mx.array:
+    """(b, T) bool: True for the first num_steps[i] of row i's T steps."""
+    return mx.arange(num_tokens)[None] < mx.array(num_steps, dtype=mx.int32)[:, None]
 
 
 def causal_conv1d(conv_input: mx.array, weight: mx.array, bias: Optional[mx.array] = None) -> mx.array:
@@ -221,10 +230,13 @@ def causal_conv1d(conv_input: mx.array, weight: mx.array, bias: Optional[mx.arra
     return out if bias is None else out + bias
 
 
-def conv_state_after(conv_input: mx.array, num_tokens: int, kernel_size: int) -> mx.array:
+def conv_state_after(conv_input: mx.array, num_tokens: Union[int, Sequence[int]], kernel_size: int) -> mx.array:
     """The conv state after the first `num_tokens` new rows of a conv input: its rows
-    [m, m+K-1). (b, K-1+T, ch) -> (b, K-1, ch)."""
-    return conv_input[:, num_tokens : num_tokens + kernel_size - 1]
+    [m, m+K-1), or for a list of per-row counts each row's own. (b, K-1+T, ch) -> (b, K-1, ch)."""
+    if isinstance(num_tokens, int):
+        return conv_input[:, num_tokens : num_tokens + kernel_size - 1]
+    rows = mx.array(num_tokens, dtype=mx.int32)[:, None] + mx.arange(kernel_size - 1, dtype=mx.int32)  # (b, K-1)
+    return mx.take_along_axis(conv_input, rows[:, :, None], axis=1)
 
 
 def gated_rms_norm(y: mx.array, gate: mx.array, weight: mx.array, group_size: int, eps: float, *,
