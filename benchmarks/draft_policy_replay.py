@@ -79,7 +79,7 @@ def measure_costs(target, draft, tokenizer, temp: float, cap: int) -> list:
     """Median seconds of a round drafting k = 0..cap, as the loop times it."""
     import mlx.core as mx
     import mlx_lm.speculative as speculative
-    from mlx_lm.drafters import DraftLengthPolicy
+    from mlx_lm.draft_length import DraftLengthPolicy
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
 
@@ -134,7 +134,7 @@ def replay(policy, trace: list, costs: list, num_tokens: int, rng: random.Random
 
 
 def evaluate(traces, costs, num_tokens: int, seeds: int) -> dict:
-    from mlx_lm.drafters import DraftLengthPolicy
+    from mlx_lm.draft_length import DraftLengthPolicy
 
     cap = len(costs) - 1
     plain = num_tokens * costs[0] * seeds * len(traces)

@@ -17,7 +17,7 @@ per round for k = 0..8:
 
 Reported: tokens per second of the policy over the whole run, and of each fixed k
 (expected value, E(a, k) / t(k)), all relative to plain decoding (k = 0). Writes
-results/draft_policy_sim.md and .png. tests/test_drafters.py asserts on the same
+results/draft_policy_sim.md and .png. tests/test_draft_length.py asserts on the same
 simulation.
 """
 
@@ -30,7 +30,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_lm.drafters import DraftLengthPolicy, expected_tokens  # noqa: E402
+from mlx_lm.draft_length import DraftLengthPolicy, expected_tokens  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 CAP = 8

@@ -269,7 +269,8 @@ def step_costs(model, case: Case, steps: int) -> Dict[str, float]:
     step, median ms; and the loop's host calls per plain step (policy.choose_after_plain,
     policy.update, the no-match PromptLookup.can_draft), median us."""
     import mlx.core as mx
-    from mlx_lm.drafters import DraftLengthPolicy, PromptLookup
+    from mlx_lm.draft_length import DraftLengthPolicy
+    from mlx_lm.drafters import PromptLookup
     from mlx_lm.models.cache import make_prompt_cache
 
     caches = {"plain": make_prompt_cache(model), "recording": make_prompt_cache(model)}

@@ -132,7 +132,9 @@ class BatchMTPHead:
     `lag` as chunks (tokens (B, L), hidden (B, L, H), how many of the L each row
     keeps, or None for all) and are fed when the head next drafts or rows join or leave.
     A round feeds the pending pairs, then drafts K - 1 more single-token steps on the
-    head's own output, whose entries settle() gives back."""
+    head's own output, whose entries settle() gives back. (The pending pairs are fed
+    on their own, after the lag, so that a cancelled round can give them back: a
+    batched KV row forgets only its last columns, and the lag's padding leaves holes.)"""
 
     needs_hidden = True
 

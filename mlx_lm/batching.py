@@ -20,7 +20,7 @@ Speculation (`prompt_lookup=True`; or, on the device, batch_drafters.py: a `draf
 or the target's own MTP head (`mtp=True`), whose caches are batched beside the target's
 and which draft every row greedily in K single-token steps): each row drafts from its
 own prompt and output (at most its num_draft_tokens, and as many as the batch's
-draft-length policy, drafters.BatchDraftLengthPolicy, finds fastest: K = 0 is a plain
+draft-length policy, draft_length.BatchDraftLengthPolicy, finds fastest: K = 0 is a plain
 step, pipelined, which the drafter sits out), one forward verifies every row's
 token and drafts (padded to the longest), each row accepts by its own rule (greedy:
 the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
@@ -45,7 +45,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_drafters import BatchDraftModel, BatchMTPHead
-from .drafters import AcceptanceEstimate, BatchDraftLengthPolicy, PromptLookup, point_masses, speculative_sample
+from .draft_length import AcceptanceEstimate, BatchDraftLengthPolicy
+from .drafters import PromptLookup, point_masses, speculative_sample
 from .models.batch_cache import (
     bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )

@@ -9,9 +9,9 @@ from typing import Any, Callable, Generator, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .draft_length import DraftLengthPolicy
 from .drafters import (
     CachedModel,
-    DraftLengthPolicy,
     DraftModel,
     Drafter,
     MTPHead,
@@ -343,7 +343,7 @@ def speculative_generate_step(
     forwards also return their hidden states, which the head is fed).
 
     Each round the drafter proposes k tokens, k chosen by a DraftLengthPolicy
-    (drafters.py) from the measured acceptance and round times, between 0 (a plain
+    (draft_length.py) from the measured acceptance and round times, between 0 (a plain
     target step, when drafting would lose) and `num_draft_tokens`;
     `adaptive_draft_length=False` drafts `num_draft_tokens` every round. Where the
     drafter has nothing to propose (a lookup that finds no match) the round is a plain

@@ -11,7 +11,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from checkpoints import TINY_CONFIGS
 from mlx_lm import batching
 from mlx_lm.batching import BatchGenerator, batch_generate
-from mlx_lm.drafters import BatchDraftLengthPolicy, ids_within
+from mlx_lm.draft_length import BatchDraftLengthPolicy
+from mlx_lm.drafters import ids_within
 from mlx_lm.generate import generate_step
 from mlx_lm.models.batch_cache import (
     _AlignedKV, BatchArraysCache, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,

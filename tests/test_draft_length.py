@@ -13,10 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from draft_policy_sim import CAP, PROFILES, fixed_rates, simulate  # noqa: E402
 
-from mlx_lm.drafters import (  # noqa: E402
+from mlx_lm.draft_length import (  # noqa: E402
     BatchDraftLengthPolicy,
     DraftLengthPolicy,
-    PromptLookup,
     acceptance_evidence,
     best_draft_length,
     expected_tokens,
@@ -263,53 +262,6 @@ def test_plain_rounds_first_measure_plain_steps_before_any_draft():
     with_plain_first = [drafting_rounds(2, seed) for seed in range(4)]
     assert max(with_plain_first) <= 6
     assert sum(drafting_rounds(0, seed) for seed in range(4)) >= sum(with_plain_first) + 8
-
-
-# ---------------------------------------------------------------------------
-# PromptLookup
-
-
-def naive_lookup(tokens, num_draft, max_n, min_n):
-    """The continuation of the latest earlier occurrence of the longest suffix, by
-    scanning, repeated with its period where it runs into the end."""
-    end = len(tokens)
-    for n in range(max_n, min_n - 1, -1):
-        if end < n:
-            continue
-        starts = [p for p in range(n, end) if tokens[p - n : p] == tokens[end - n :]]
-        if starts:
-            start = starts[-1]
-            return [tokens[start + i % (end - start)] for i in range(num_draft)]
-    return []
-
-
-@pytest.mark.parametrize("max_n,min_n", [(3, 1), (4, 2), (1, 1)])
-def test_prompt_lookup_matches_a_scan_after_every_token(max_n, min_n):
-    rng = random.Random(max_n * 10 + min_n)
-    tokens = [rng.choice([1, 2, 3, 4, 5, 6]) if rng.random() < 0.6 else rng.randrange(50) for _ in range(300)]
-    lookup = PromptLookup(max_n, min_n)
-    for i, token in enumerate(tokens):
-        lookup.extend([token])
-        for num_draft in (1, 4):
-            assert lookup.lookup(num_draft) == naive_lookup(tokens[: i + 1], num_draft, max_n, min_n), (i, num_draft)
-
-
-def test_truncating_the_index_undoes_exactly_what_extending_did():
-    rng = random.Random(3)
-    tokens = [rng.randrange(8) for _ in range(200)]
-    lookup = PromptLookup(3, 1, context=tokens[:50])
-    for cut in (199, 120, 50, 7, 0):
-        lookup.extend(tokens[len(lookup.tokens) :])
-        lookup.truncate(cut)
-        fresh = PromptLookup(3, 1, context=tokens[:cut])
-        assert lookup.tokens == fresh.tokens and lookup.latest == fresh.latest
-        assert lookup.replaced == fresh.replaced, cut
-
-
-def test_prompt_lookup_rejects_bad_sizes():
-    for sizes in ((0, 1), (2, 3), (3, 0)):
-        with pytest.raises(ValueError, match="min_ngram_size <= max_ngram_size"):
-            PromptLookup(*sizes)
 
 
 def test_batch_policy_weighs_the_whole_batch():
