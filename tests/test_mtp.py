@@ -500,3 +500,36 @@ def test_the_batch_server_speculates_with_the_head(checkpoints):
         + user("and more")
     answer = result(drive(worker, [{"messages": follow_up}])[0])
     assert answer.text == reference(served, follow_up) and answer.cached_tokens > 0
+
+
+def test_a_batch_row_continues_a_returned_cache(checkpoints):
+    """A row inserted with a cache the batch returned (target and head entries) and a
+    continuation of one token or several: the tokens plain decoding gives from the same
+    cache, the head still drafting (its pair at the cache's last token is unknown)."""
+    from mlx_lm.batching import BatchGenerator
+    from mlx_lm.lru_prompt_cache import copy_prompt_cache
+
+    model = load_family(checkpoints, "qwen3_next")
+    generator = BatchGenerator(model, mtp=True, num_draft_tokens=2, fixed_draft_length=True,
+                               return_prompt_caches=True)
+    uid, = generator.insert([PROMPT], max_tokens=6)
+    first, cache = [], None
+    while len(generator):
+        for r in generator.next_generated():
+            first.append(r.token)
+            cache = r.prompt_cache if r.finish_reason else cache
+    num_target = len(model.layers)
+    for turn in ([77], [9, 10, 11]):
+        plain_cache = make_prompt_cache(model)
+        model(mx.array(PROMPT + first)[None], cache=plain_cache)
+        want = [t for t, _ in generate_step(mx.array(turn), model, max_tokens=10, prompt_cache=plain_cache)]
+        uid, = generator.insert([turn], max_tokens=10, caches=[copy_prompt_cache(cache)],
+                                cached_tokens=[PROMPT + first])
+        got = []
+        while len(generator):
+            for r in generator.next_generated():
+                got.append(r.token)
+                speculation = r.speculation
+        assert got == want, turn
+        assert speculation.num_drafted > 0
+    assert len(cache) == num_target + 1
