@@ -27,9 +27,9 @@ the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass 
 so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
 columns become holes, recurrent states are replayed from the layers' records). Rows
 with logits processors decode plainly in the same forward. With a drafter on the
-device, a round is queued (its drafts and verify computing) as soon as the previous one is decided,
-before that one's tokens are returned, unless rows wait to join; a removal or a cache
-copy between steps undoes the queued round first.
+device, a round is queued (its drafts and verify computing) as soon as the previous
+one is decided, before that one's tokens are returned, unless rows wait to join; a
+removal or a cache copy between steps undoes the queued round first.
 
 Greedy output of every sequence equals its solo run, whatever joins or leaves: rows do
 not see each other (per-row masks hide other rows' padding), and a row's numbers differ
@@ -437,9 +437,8 @@ class BatchGenerator:
         if self.speculating:  # (a join comes between rounds: no rollback is pending)
             for entry in self._caches[: self._num_target]:
                 entry.start_speculation()  # one verify a round
-            # A draft model steps up to K times a round, and rolls back up to K tokens.
-            window = self._drafter.rollback_window(max(s.num_draft_tokens for s in self._active + joining)) \
-                if self._drafter is not None else 0
+        if self._drafter is not None:  # a draft model steps up to K times a round
+            window = self._drafter.rollback_window(max(s.num_draft_tokens for s in self._active + joining))
             for entry in self._caches[self._num_target :]:
                 entry.start_speculation(window)
         self._tokens = mx.concatenate(([self._tokens] if self._tokens is not None else []) + tokens)
