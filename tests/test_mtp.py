@@ -200,10 +200,13 @@ def test_a_declared_head_missing_from_the_checkpoint_leaves_the_model_without_on
 
 
 def test_a_model_without_a_head_gives_a_clear_error(tmp_path):
+    from mlx_lm.batching import BatchGenerator
+
     directory = write_checkpoint(tmp_path, TINY_CONFIGS["qwen3"])
     model, _ = load_model(directory)
     for call in (lambda: list(generate_step(mx.array(PROMPT), model, mtp=True, max_tokens=4)),
-                 lambda: list(speculative_generate_step(mx.array(PROMPT), model, mtp=True, max_tokens=4))):
+                 lambda: list(speculative_generate_step(mx.array(PROMPT), model, mtp=True, max_tokens=4)),
+                 lambda: BatchGenerator(model, mtp=True)):
         with pytest.raises(ValueError, match=r"needs a multi-token-prediction head.*qwen3 model.*mtp\.\* weights"):
             call()
 
