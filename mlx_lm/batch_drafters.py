@@ -58,7 +58,7 @@ class BatchDraftModel:
 
     def first_alone(self, cache: List[Any], prompt: mx.array, hidden: Optional[mx.array], first: mx.array,
                     pending: Any) -> Any:
-        """The row's first prompt token, fed before its first token is sampled alone."""
+        """The row's one prompt token (after it, the target samples its first token alone)."""
         self.model(self._ids(prompt)[None], cache=cache)
         return None
 
