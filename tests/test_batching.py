@@ -427,7 +427,8 @@ def perturbed(name, noise=0.03):
 
 @pytest.mark.parametrize("name, draft_of", [("qwen3", "qwen3"), ("mistral_sliding", "mistral_sliding"),
                                             ("gpt_oss", "gpt_oss"), ("qwen3_next", "qwen3"), ("lfm2", "qwen3"),
-                                            ("qwen3", "qwen3_next"), ("qwen3_next", "qwen3_next"), ("qwen3", "lfm2")])
+                                            ("qwen3", "qwen3_next"), ("qwen3_next", "qwen3_next"), ("qwen3", "lfm2"),
+                                            ("nemotron_h", "nemotron_h")])
 def test_draft_model_in_the_batch_equals_solo(name, draft_of, monkeypatch):
     monkeypatch.setattr(_AlignedKV, "step", 8)
     model, draft = tiny_model(name), perturbed(draft_of)
