@@ -1,0 +1,227 @@
+"""Speculation inside the batch, in process: why (or whether) drafting pays at a given
+batch size. The server's speculation mode (server_bench.py --mode speculation) over
+HTTP says how much; this says why, without the server in the way.
+
+    python benchmarks/batch_speculation.py [--clients 4] [--requests-per-client 4]
+                                           [--max-tokens 64] [--repeats 5] [--blas auto]
+
+Workload: the demo hybrid target (examples/models/qwen3-next-stdlib); N clients, each
+sending its requests one after the other (greedy, the demo prompts), imitated in one
+BatchGenerator: a request is inserted when the client's previous one finishes. Runs:
+plain; the demo draft loaded but never drafting (its cost of being there: prefill and
+catch-up feeds); the demo draft with the adaptive draft length and with each fixed K;
+the target's MTP head, adaptive and with K = 3. They run in turn, `--repeats` times,
+medians reported. Then what each part of a round costs at that batch size (synchronous
+timings, medians): a plain step, a verify of K + 1 columns, a draft model step, an MTP
+head step, and the rollback of a verify whose rows keep different prefixes.
+Writes results/batch_speculation.md and .png.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_bench import DEMO_DRAFT, DEMO_TARGET, RESULTS, machine, pyplot  # noqa: E402
+from spec_bench import PROMPTS, loaded_blas, reexec_with_blas  # noqa: E402
+
+
+def serve(model, prompts, args, **generator_args):
+    """Tokens/s of N clients' requests in turn, and rounds per draft length (row-rounds)."""
+    from mlx_lm.batching import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=args.max_tokens, completion_batch_size=args.clients,
+                               **generator_args)
+    sent, owner, lengths, num_tokens = Counter(), {}, Counter(), 0
+
+    def send(client):
+        (uid,) = generator.insert([prompts[(client + sent[client]) % len(prompts)]])
+        owner[uid] = client
+        sent[client] += 1
+
+    start = time.perf_counter()
+    for client in range(args.clients):
+        send(client)
+    while len(generator):
+        for r in generator.next_generated():
+            num_tokens += 1
+            if r.finish_reason is None:
+                continue
+            client = owner.pop(r.uid)
+            for k, count in enumerate(r.speculation.draft_lengths if r.speculation else []):
+                lengths[k] += count
+            if sent[client] < args.requests_per_client:
+                send(client)
+    return num_tokens / (time.perf_counter() - start), lengths
+
+
+def never_drafting():
+    """The batch policy pinned to plain steps (the draft model stays loaded)."""
+    from mlx_lm.draft_length import BatchDraftLengthPolicy
+
+    class Plain(BatchDraftLengthPolicy):
+        def choose(self, batch_size, rows):
+            return 0
+
+    return Plain
+
+
+def run_workload(target, draft, prompts, args):
+    from mlx_lm import batching
+
+    configs = {
+        "plain": {},
+        "draft loaded, never drafting": dict(draft_model=draft, policy=never_drafting()),
+        "draft, adaptive": dict(draft_model=draft),
+        **{f"draft, fixed K={k}": dict(draft_model=draft, fixed_draft_length=True, num_draft_tokens=k)
+           for k in (1, 2, 3)},
+        "MTP head, adaptive": dict(mtp=True),
+        "MTP head, fixed K=3": dict(mtp=True, fixed_draft_length=True, num_draft_tokens=3),
+    }
+    default_policy = batching.BatchDraftLengthPolicy
+    runs, lengths = {name: [] for name in configs}, {}
+    for repeat in range(args.repeats + 1):  # the first pass warms up
+        for name, config in configs.items():
+            config = dict(config)
+            batching.BatchDraftLengthPolicy = config.pop("policy", default_policy)
+            try:
+                tps, lengths[name] = serve(target, prompts, args, **config)
+            finally:
+                batching.BatchDraftLengthPolicy = default_policy
+            if repeat:
+                runs[name].append(tps)
+        print(f"pass {repeat}: " + ", ".join(f"{n} {r[-1]:.0f}" for n, r in runs.items() if r), flush=True)
+    return runs, lengths
+
+
+def round_costs(target, draft, prompts, args):
+    """Milliseconds of each part of a round at batch size N, synchronous, medians of 30."""
+    import mlx.core as mx
+
+    from mlx_lm.models.batch_cache import make_room, merge_caches, trim_rows
+    from mlx_lm.models.cache import make_prompt_cache
+
+    B = args.clients
+
+    def batched(model, make):
+        rows = []
+        for i in range(B):
+            cache = make()
+            model(mx.array(prompts[i % len(prompts)])[None], cache=cache)
+            rows.append(cache)
+        mx.eval([c.state for cache in rows for c in cache])
+        caches = merge_caches(rows)
+        for c in caches:
+            c.start_speculation()
+        return caches
+
+    def median_ms(step, n=30):
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(n):
+            mx.synchronize()
+            start = time.perf_counter()
+            step()
+            mx.synchronize()
+            times.append((time.perf_counter() - start) * 1000)
+        return statistics.median(times)
+
+    target_cache = batched(target, lambda: make_prompt_cache(target))
+    token = mx.full((B, 1), 5, dtype=mx.uint32)
+
+    def forward(cache, model, width, keeps=None):
+        """A forward of `width` columns, then each row keeps keeps[i] of them (default
+        none: the caches stay as they were)."""
+        def step():
+            make_room(cache, width)
+            mx.eval(model(mx.repeat(token, width, axis=1), cache=cache), [c.state for c in cache])
+            trim_rows(cache, [width - k for k in (keeps or [0] * B)])
+            mx.eval([c.state for c in cache])
+        return step
+
+    costs = {"plain step (1 column)": median_ms(forward(target_cache, target, 1))}
+    for k in (1, 2, 3):
+        costs[f"verify, K={k} ({k + 1} columns)"] = median_ms(forward(target_cache, target, k + 1))
+    mixed = [4 - i % 4 for i in range(B)]  # rows keeping 4, 3, 2, 1 of the columns
+    costs[f"verify, K=3, then rows keep {mixed[:4]}..."] = median_ms(forward(target_cache, target, 4, mixed))
+    draft_cache = batched(draft, lambda: make_prompt_cache(draft))
+    costs["draft model step"] = median_ms(forward(draft_cache, draft, 1))
+    head_cache = merge_caches([target.make_mtp_cache() for _ in range(B)])
+    hidden = mx.random.normal((B, 1, target.mtp_head.pre_fc_norm_hidden.weight.shape[0]))
+
+    def head_step():
+        make_room(head_cache, 1)
+        mx.eval(target.mtp_forward(token, hidden, head_cache)[1], [c.state for c in head_cache])
+        trim_rows(head_cache, [1] * B)
+
+    costs["MTP head step"] = median_ms(head_step)
+    return costs
+
+
+def report(args, runs, lengths, costs):
+    plain = statistics.median(runs["plain"])
+    lines = [
+        f"# Speculation inside the batch, in process: {args.clients} clients",
+        "",
+        f"`{DEMO_TARGET.relative_to(DEMO_TARGET.parents[2])}` (Gated DeltaNet + attention), float32; "
+        f"{args.clients} clients x {args.requests_per_client} requests of {args.max_tokens} greedy tokens (the demo "
+        "prompts), each client's next request inserted when its last finishes (one BatchGenerator, as the "
+        f"server's batch worker runs it); medians of {args.repeats} runs taken in turn. Draft: "
+        f"`{DEMO_DRAFT.name}`; MTP: the target's own head. `python benchmarks/batch_speculation.py "
+        f"--clients {args.clients}`.",
+        "",
+        "| run | tok/s | / plain | runs | row-rounds per K (0: plain) |",
+        "|---|---:|---:|---|---|",
+    ]
+    for name, tps in runs.items():
+        median = statistics.median(tps)
+        by_k = ", ".join(f"{k}: {n}" for k, n in sorted(lengths[name].items()) if n) or "-"
+        lines.append(f"| {name} | {median:.0f} | {median / plain:.2f}x | {', '.join(f'{t:.0f}' for t in tps)} | "
+                     f"{by_k} |")
+    lines += ["", f"What a round's parts cost at batch size {args.clients} (ms, synchronous, medians of 30):", "",
+              "| part | ms |", "|---|---:|"]
+    lines += [f"| {name} | {ms:.2f} |" for name, ms in costs.items()]
+    lines += ["", machine(), ""]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batch_speculation.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    plt = pyplot()
+    if plt is None:
+        return
+    names = list(runs)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.barh(names[::-1], [statistics.median(runs[n]) / plain for n in names[::-1]], color="tab:blue")
+    ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("tokens/s / plain batched decoding")
+    ax.set_title(f"{args.clients} clients, demo hybrid target, float32; {loaded_blas().split(' preloaded')[0]}",
+                 fontsize=7)
+    ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "batch_speculation.png", dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
+    args = parser.parse_args()
+    reexec_with_blas(args.blas)
+    print(f"BLAS: {loaded_blas()}", flush=True)
+    from mlx_lm import load
+
+    target, tokenizer = load(str(DEMO_TARGET))
+    draft, _ = load(str(DEMO_DRAFT))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    runs, lengths = run_workload(target, draft, prompts, args)
+    report(args, runs, lengths, round_costs(target, draft, prompts, args))
+
+
+if __name__ == "__main__":
+    main()
