@@ -419,10 +419,10 @@ class BatchArraysCache(ArraysCache):
     one replay of every row's own prefix (rows that keep it all keep their state); across
     the stacked records of a draft's steps, the state after the first m recorded tokens
     is rebuilt once per distinct m (a record's snapshot, mostly) and each row takes its
-    own. Records stack while the newer ones
-    cover fewer than `rollback_window` tokens: a target verifies once per round (a
-    window of 1: a new record commits the previous forward), a draft model steps K
-    times (a window of K + 1). A trim commits everything recorded."""
+    own. Records stack while the newer ones cover fewer than `rollback_window` tokens:
+    a target verifies once per round (a window of 1: a new record commits the previous
+    forward), a draft model steps K times (a window of K + 1). A trim commits everything
+    recorded."""
 
     _speculating = False
     _window = 1
