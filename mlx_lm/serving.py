@@ -381,9 +381,21 @@ class GenerationWorker:
         self.fixed_draft_length = fixed_draft_length
         self.prompt_lookup, self.max_ngram_size = prompt_lookup, max_ngram_size
         self.jobs: "queue.Queue[Job]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
+
+    def start(self) -> None:
+        """Run `run_forever` on its own (daemon) thread."""
+        self._thread = threading.Thread(target=self.run_forever, name="generation", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread `start` began still runs (a worker that died answers
+        nothing: /health says so)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def run_forever(self) -> None:
         while True:
@@ -534,8 +546,9 @@ class _Stream:
         self.stops = StopStringFilter(job.request.stop)
         self.generated: List[int] = []  # the tokens the client gets
         self.emitted: List[int] = []  # every token the batch reported (beyond a stop string too)
-        self.finish_reason: Optional[str] = None  # set once it is done
-        self.final_cache: Optional[List[Any]] = None  # the batch's caches, when it retired the row
+        self.finish_reason: Optional[str] = None  # set once its answer is complete
+        self.retired = False  # the batch retired its row (its caches came with the last response)
+        self.final_cache: Optional[List[Any]] = None  # those caches
         self.text = ""
         self.logprobs: List[TokenLogprob] = []
         self.first_token_at: Optional[float] = None
@@ -632,23 +645,24 @@ class BatchWorker(GenerationWorker):
             self.streams[uid].acceptance_rule = "speculative sampling"
 
     def step(self) -> None:
-        """One batch step; its tokens go out to their requests; cancelled ones leave."""
+        """One batch step; its tokens go out to their requests; cancelled ones leave.
+        Whatever fails in it fails the requests in the batch (500) and starts a fresh
+        batch: the worker goes on."""
         try:
             progress, responses = self.generator.next()
+            for event in progress:
+                self._prefilled(event)
+            for response in responses:  # a speculating row may report several tokens a step
+                self._deliver(response)
+            for uid in [uid for uid, s in self.streams.items() if s.finish_reason or s.job.cancelled.is_set()]:
+                self._finish(uid, self.streams[uid])
+                del self.streams[uid]  # (after: a failure above fails it too)
         except Exception as e:  # the server stays up; every client in the batch learns why
             log.exception("Batched generation failed")
             for stream in self.streams.values():
                 stream.job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
             self.streams.clear()
             self.generator = self._make_generator()
-            return
-        for event in progress:
-            self._prefilled(event)
-        for response in responses:  # a speculating row may report several tokens a step
-            self._deliver(response)
-        for uid in [uid for uid, s in self.streams.items() if s.finish_reason or s.job.cancelled.is_set()]:
-            stream = self.streams[uid]
-            self._finish(uid, stream.finish_reason, stream.final_cache)
 
     def _prefilled(self, event: PromptProgress) -> None:
         stream = self.streams[event.uid]
@@ -661,6 +675,8 @@ class BatchWorker(GenerationWorker):
     def _deliver(self, response: Response) -> None:
         stream = self.streams[response.uid]
         stream.emitted.append(response.token)
+        if response.finish_reason is not None:  # the batch retired the row, even past a stop string
+            stream.retired, stream.final_cache = True, response.prompt_cache
         if stream.finish_reason is not None:  # past its stop string: in its cache, not in its answer
             return
         request = stream.job.request
@@ -683,15 +699,14 @@ class BatchWorker(GenerationWorker):
         if request.stream and (delta or entries):
             stream.job.events.put(("delta", delta, entries))
         if finish_reason is not None:
-            stream.finish_reason, stream.final_cache = finish_reason, response.prompt_cache
+            stream.finish_reason = finish_reason
 
-    def _finish(self, uid: int, finish_reason: Optional[str], prompt_cache: Optional[List[Any]] = None) -> None:
-        """Retire request `uid` (the batch already retired it when `prompt_cache` is
-        given) and store its cache under exactly the tokens it holds."""
-        stream = self.streams.pop(uid)
+    def _finish(self, uid: int, stream: _Stream) -> None:
+        """Retire request `uid` (from the batch too, unless the batch retired it) and
+        store its cache under exactly the tokens it holds."""
         sequence = stream.tokens + stream.emitted
-        num_held = len(sequence)
-        if prompt_cache is None:
+        num_held, prompt_cache = len(sequence), stream.final_cache
+        if not stream.retired:
             prompt_cache, num_fed = self.generator.remove([uid], return_prompt_caches=True)[uid]
             num_held = stream.num_cached + num_fed
         if num_held > stream.num_cached:
@@ -702,12 +717,12 @@ class BatchWorker(GenerationWorker):
             return
         if stream.job.cancelled.is_set():
             log.info("Client disconnected; stopped after %d generated tokens", len(stream.generated))
-        result = GenerationResult(stream.text, finish_reason or "stop", len(stream.tokens), stream.num_cached,
+        result = GenerationResult(stream.text, stream.finish_reason or "stop", len(stream.tokens), stream.num_cached,
                                   len(stream.generated), self._speculation_stats(stream), stream.logprobs)
         seconds = time.perf_counter() - (stream.first_token_at or time.perf_counter())
         log.info("%s: %d prompt tokens (%d cached), %d generated at %.1f tokens/s (batch of %d)",
                  stream.served.name, result.prompt_tokens, stream.num_cached, len(stream.generated),
-                 len(stream.generated) / seconds if seconds > 0 else 0.0, len(self.streams) + 1)
+                 len(stream.generated) / seconds if seconds > 0 else 0.0, len(self.streams))
         stream.job.events.put(("done", result))
 
     @staticmethod

@@ -4,13 +4,14 @@ stop strings, a cancelled request, prompt cache reuse and seeded sampling per re
 Driven in process step by step, then once over HTTP with concurrent clients."""
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
 from server_harness import start_server
 
-from mlx_lm.generate import generate
+from mlx_lm.generate import generate, generate_step
 from mlx_lm.openai_api import ServerDefaults, parse_request
 from mlx_lm.server import setup_arg_parser
 from mlx_lm.serving import BatchWorker, ModelProvider
@@ -49,10 +50,10 @@ def reference(served, messages, max_tokens=MAX_TOKENS):
     return generate(served.model, served.tokenizer, tokens, max_tokens=max_tokens, prefill_step_size=8)
 
 
-def drive(worker, bodies, on_step=None):
+def drive(worker, bodies, on_step=None, kind="chat"):
     """Submit every request at once and step the worker until all are answered;
     returns each job's events."""
-    jobs = [worker.provider.make_job(parse_request({"max_tokens": MAX_TOKENS, "temperature": 0, **b}, "chat",
+    jobs = [worker.provider.make_job(parse_request({"max_tokens": MAX_TOKENS, "temperature": 0, **b}, kind,
                                                    ServerDefaults(max_tokens=MAX_TOKENS))) for b in bodies]
     for job in jobs:
         worker.submit(job)
@@ -301,3 +302,50 @@ def test_draft_model_speculates_inside_the_batch(draft, model_dirs, tmp_path):
         assert answer.speculation.num_target_forwards >= 1
     assert worker.generator.stats().draft_tokens > 0
     assert worker.generator.stats().accepted_tokens > 0 or draft == "hybrid"
+
+
+DEMO = Path(__file__).resolve().parent.parent / "examples" / "models"
+_demo_workers = {}
+
+
+def demo_worker(drafter):
+    """A batch worker on the demo target speculating with `drafter`: its trained draft
+    model, prompt lookup or its MTP head (each accepted most of the time), drafting
+    its cap every round."""
+    if drafter not in _demo_workers:
+        target = str(DEMO / "qwen3-next-stdlib")
+        draft = str(DEMO / "qwen3-draft-stdlib") if drafter == "draft" else None
+        provider = ModelProvider(target, draft, False, 10, 1 << 40, None, mtp=drafter == "mtp")
+        _demo_workers[drafter] = BatchWorker(provider, prefill_step_size=8, max_batch_size=4,
+                                             prompt_lookup=drafter == "lookup", fixed_draft_length=True)
+    return _demo_workers[drafter]
+
+
+@pytest.mark.parametrize("drafter", ["draft", "lookup", "mtp"])
+def test_a_stop_string_in_a_step_that_also_ends_the_row(drafter):
+    """A stop string met on a token before the last of a speculated step whose last
+    token also reaches max_tokens: the batch retires the row in that step, the answer
+    is cut at the stop, and the worker goes on (it used to die on a KeyError)."""
+    worker = demo_worker(drafter)
+    served = worker.provider.default
+    base = "def fibonacci(n):\n    "
+    before = generate_step(mx.array(served.tokenizer.encode(base)), served.model, max_tokens=8)
+    prompt = base + served.tokenizer.decode([t for t, _ in before]) + "\n\n" + base  # a lookup finds drafts
+    answer = [t for t, _ in generate_step(mx.array(served.tokenizer.encode(prompt)), served.model, max_tokens=8)]
+    bodies, wanted = [], []
+    for max_tokens in range(1, 7):
+        full = served.tokenizer.decode(answer[:max_tokens])
+        for i in range(max_tokens):
+            stop = served.tokenizer.decode(answer[i : i + 1])
+            if stop.strip() and "\ufffd" not in stop:
+                bodies.append({"prompt": prompt, "max_tokens": max_tokens, "stop": [stop], "stream": i % 2 == 1})
+                wanted.append((full[: full.index(stop)], "stop"))
+    assert len(bodies) >= 10
+    for body, want, got in zip(bodies, wanted, drive(worker, bodies, kind="text")):
+        answer_ = result(got)
+        assert (answer_.text, answer_.finish_reason) == want, body
+        if body["stream"]:
+            assert "".join(e[1] for e in got if e[0] == "delta") == answer_.text
+    plain = {"prompt": prompt, "max_tokens": 6}
+    assert result(drive(worker, [plain], kind="text")[0]).text == served.tokenizer.decode(answer[:6])
+    assert not worker.streams and len(worker.generator) == 0
