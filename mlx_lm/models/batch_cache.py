@@ -317,9 +317,10 @@ class BatchRotatingKVCache(_AlignedKV):
         return self.max_size if window_size is None else window_size
 
     def _columns_to_drop(self, num_new: int) -> int:
-        # The next query of row b sits at position lengths[b] and sees back to
-        # lengths[b] - max_size + 1 (rollbacks never go back before it).
-        seen = self.positions[:, : self.width] > (self.offset - self.max_size)[:, None]  # (B, width)
+        # Row b keeps its max_size newest tokens, as a RotatingKVCache does: its next
+        # query (position lengths[b]) sees back to lengths[b] - max_size + 1, and a
+        # forward rolled back whole (a cancelled round) must leave the row a full window.
+        seen = self.positions[:, : self.width] >= (self.offset - self.max_size)[:, None]  # (B, width)
         first = mx.where(seen.any(axis=1), mx.argmax(seen, axis=1), self.width)
         return min(first.tolist())
 
@@ -355,6 +356,7 @@ class BatchRotatingKVCache(_AlignedKV):
         columns = [] if self.buffers is None else self._row_columns(index)[-self.max_size :]
         if not columns:
             return RotatingKVCache(self.max_size)
+        assert len(columns) == min(self.lengths[index], self.max_size), "a window row lost a token it needs"
         state = tuple(self._row(index, columns))
         meta = tuple(map(str, (0, self.max_size, self.lengths[index], len(columns))))
         return RotatingKVCache.from_state(state, meta)
