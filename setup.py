@@ -28,6 +28,8 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     packages=["mlx_lm", "mlx_lm.models", "mlx_lm.tuner"],
+    # Outside the package, so that a missing MLX reads as one line (see its docstring).
+    py_modules=["_mlx_lm_console"],
     python_requires=">=3.9",
     install_requires=requirements,
     extras_require={
@@ -38,14 +40,14 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "mlx_lm = mlx_lm.cli:main",
-            "mlx_lm.generate = mlx_lm.generate:main",
-            "mlx_lm.convert = mlx_lm.convert:main",
-            "mlx_lm.cache_prompt = mlx_lm.cache_prompt:main",
-            "mlx_lm.server = mlx_lm.server:main",
-            "mlx_lm.fuse = mlx_lm.fuse:main",
-            "mlx_lm.chat = mlx_lm.chat:main",
-            "mlx_lm.benchmark = mlx_lm.benchmark:main",
+            "mlx_lm = _mlx_lm_console:main",
+            "mlx_lm.generate = _mlx_lm_console:generate",
+            "mlx_lm.convert = _mlx_lm_console:convert",
+            "mlx_lm.cache_prompt = _mlx_lm_console:cache_prompt",
+            "mlx_lm.server = _mlx_lm_console:server",
+            "mlx_lm.fuse = _mlx_lm_console:fuse",
+            "mlx_lm.chat = _mlx_lm_console:chat",
+            "mlx_lm.benchmark = _mlx_lm_console:benchmark",
         ]
     },
 )

@@ -1,13 +1,15 @@
 """What a newcomer sees from the command lines: help with defaults, no import noise,
 user-level errors, and progress fit for a terminal or a pipe."""
 
+import importlib
 import io
 import subprocess
 import sys
 
 import pytest
 
-from mlx_lm import cache_prompt, generate, load
+from mlx_lm import __version__, cache_prompt, generate, load
+from mlx_lm.cli import COMMANDS
 from mlx_lm.cli_args import format_bytes
 from mlx_lm.convert import print_progress
 from mlx_lm.convert import setup_arg_parser as convert_parser
@@ -36,6 +38,21 @@ def test_module_help_prints_no_import_noise():
                             timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("usage: mlx_lm.generate")
     assert not any(n in result.stderr for n in NOISE), result.stderr
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_each_console_script_runs_its_command(command, monkeypatch, capsys):
+    """The function setup.py names for `mlx_lm.<command>` (for "": `mlx_lm`)."""
+    console = importlib.import_module("_mlx_lm_console")
+    name = f"mlx_lm.{command}" if command else "mlx_lm"
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exited:
+        getattr(console, command or "main")()
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith(f"usage: {name}")
+    if not command:
+        monkeypatch.setattr(sys, "argv", [name, "--version"])
+        console.main()
+        assert capsys.readouterr().out == f"{__version__}\n"
 
 
 def test_cli_errors_come_before_any_output(tiny_model_dir, capsys):

@@ -3,6 +3,7 @@ the package imports lazily, and a missing MLX gets an error that names the fix."
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,35 @@ def test_missing_mlx_names_the_extra_to_install(module):
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("ModuleNotFoundError: mlx_lm needs MLX"), result.stderr
     assert 'pip install -e ".[cpu]"' in last_line and '".[cuda12]"' in last_line and '".[cuda13]"' in last_line
+
+
+def console_scripts() -> dict:
+    """setup.py's console scripts: name -> (module, function)."""
+    entries = re.findall(r'"([\w.]+) = ([\w.]+):(\w+)"', (REPO_DIR / "setup.py").read_text())
+    return {name: (module, function) for name, module, function in entries}
+
+
+def run_console_script(name: str, *args: str, block_mlx: bool) -> subprocess.CompletedProcess:
+    """`name` run as the script pip writes for it: import the function, exit with its result."""
+    module, function = console_scripts()[name]
+    code = (BLOCK_MLX if block_mlx else "") + (
+        f"import sys\nsys.argv[0] = {name!r}\nfrom {module} import {function}\nsys.exit({function}())\n"
+    )
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_DIR)
+
+
+def test_every_command_has_a_console_script_outside_the_package():
+    from mlx_lm.cli import COMMANDS
+
+    expected = {f"mlx_lm.{c}": ("_mlx_lm_console", c) for c in COMMANDS}
+    assert console_scripts() == {"mlx_lm": ("_mlx_lm_console", "main"), **expected}
+
+
+@pytest.mark.parametrize("name", sorted(console_scripts()))
+def test_console_scripts_report_a_missing_mlx_in_one_line(name):
+    result = run_console_script(name, "--help", block_mlx=True)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("mlx_lm needs MLX, which is not installed (No module named 'mlx")
+    assert result.stderr.count("\n") == 1 and 'pip install -e ".[cpu]"' in result.stderr, result.stderr
+
