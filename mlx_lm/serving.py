@@ -388,8 +388,14 @@ class GenerationWorker:
 
     def start(self) -> None:
         """Run `run_forever` on its own (daemon) thread."""
-        self._thread = threading.Thread(target=self.run_forever, name="generation", daemon=True)
+        self._thread = threading.Thread(target=self._run_logged, name="generation", daemon=True)
         self._thread.start()
+
+    def _run_logged(self) -> None:
+        try:
+            self.run_forever()
+        except BaseException:  # nothing should get here: each job and step is guarded
+            log.exception("The generation worker stopped: no more requests will be answered")
 
     @property
     def alive(self) -> bool:

@@ -349,3 +349,31 @@ def test_a_stop_string_in_a_step_that_also_ends_the_row(drafter):
     plain = {"prompt": prompt, "max_tokens": 6}
     assert result(drive(worker, [plain], kind="text")[0]).text == served.tokenizer.decode(answer[:6])
     assert not worker.streams and len(worker.generator) == 0
+
+
+def test_a_failure_anywhere_in_a_step_fails_its_requests_and_the_worker_goes_on(model_dirs, monkeypatch):
+    worker = worker_for(model_dirs, "dense")
+    served = worker.provider.default
+
+    def broken(response):
+        raise RuntimeError("lost the thread")
+
+    monkeypatch.setattr(worker, "_deliver", broken)  # past generator.next(): the step's own handling
+    events = drive(worker, [{"messages": user(q)} for q in QUESTIONS[:2]])
+    assert all(e[-1][:2] == ("error", 500) and "lost the thread" in e[-1][2] for e in events)
+    monkeypatch.undo()
+    assert result(drive(worker, [{"messages": user("Hi.")}])[0]).text == reference(served, user("Hi."))
+
+
+def test_a_started_worker_says_whether_it_runs(model_dirs, monkeypatch):
+    provider = worker_for(model_dirs, "dense").provider
+    worker = BatchWorker(provider, prefill_step_size=8)
+    assert not worker.alive  # not started
+
+    def dies(wait):
+        raise SystemExit("gone")
+
+    monkeypatch.setattr(worker, "_take_jobs", dies)
+    worker.start()
+    worker._thread.join(timeout=30)
+    assert not worker.alive
