@@ -3,17 +3,18 @@
 Fixtures come from fixtures/make_phi3_reference.py: tiny random Phi-3 checkpoints saved
 by transformers, 24 tokens each. phi3_tf4 (plain rope, sliding window 8: every window
 edge crossed), phi3_longrope_tf4 (Phi-3.5 style longrope, transformers-4 dialect) and
-phi3_longrope_tf5 (Phi-4-mini style: partial rotary 0.75, tied embeddings, a window
-beyond max positions; transformers-5 dialect); both longrope ones switch factors at
-original_max_position_embeddings 16, inside the sequence.
+its partial50 / partial75 variants (a top-level partial_rotary_factor, as Phi-4-mini's
+hub config), and phi3_longrope_tf5 (Phi-4-mini style: partial rotary 0.75, tied
+embeddings, a window beyond max positions; transformers-5 dialect); the longrope ones
+switch factors at original_max_position_embeddings 16, inside the sequence.
 
-Our rope is a function of the position, so every chunking gives transformers'
-token-by-token logits (`incremental_logits`). transformers' one full forward over 24
-tokens rotates positions 0..15 with the long factors too (it switches per call), so for
-the longrope fixtures that reference is a different law, and the tests say so.
+transformers picks the longrope factors once per forward call, by the sequence length
+the call reaches, so its logits depend on how the tokens were split into calls. Each
+reference records one split (SPLITS); we feed the same split through our caches.
 """
 
 import copy
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,17 +22,21 @@ import pytest
 from checkpoints import write_checkpoint
 from conftest import FIXTURES
 from mlx.utils import tree_flatten
-from test_gpt_oss import decode_in_chunks, relative_error
+from test_gpt_oss import relative_error
 from test_speculative import accepted_per_round
 
 from mlx_lm.convert import convert
 from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.phi3 import ModelArgs
+from mlx_lm.models.rope_utils import SuScaledRoPE
 from mlx_lm.utils import load, load_model
 
-FIXTURE_NAMES = ["phi3_tf4", "phi3_longrope_tf4", "phi3_longrope_tf5"]
-LONGROPE = ["phi3_longrope_tf4", "phi3_longrope_tf5"]
+LONGROPE_TF4 = {0.5: "phi3_longrope_tf4_partial50", 0.75: "phi3_longrope_tf4_partial75", 1.0: "phi3_longrope_tf4"}
+LONGROPE = [*LONGROPE_TF4.values(), "phi3_longrope_tf5"]
+FIXTURE_NAMES = ["phi3_tf4", *LONGROPE]
+# reference key -> sizes of the forward calls that produced it (make_phi3_reference.SPLITS)
+SPLITS = {"incremental_logits": [1] * 24, "chunked_logits": [5, 5, 5, 5, 4], "prefill_logits": [20, 1, 1, 1, 1]}
 TOLERANCE = 1e-4  # fp32 on both sides; observed errors are ~1e-6
 
 
@@ -41,47 +46,73 @@ def load_fixture(name, **override):
     return model, reference
 
 
+def decode_in_pieces(model, ids: mx.array, sizes) -> mx.array:
+    """Logits of ids fed through one set of caches in calls of the given sizes."""
+    cache = model.make_cache()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = [model(ids[:, start : start + size], cache=cache) for start, size in zip(starts, sizes)]
+    assert all(c.offset == ids.shape[1] for c in cache)
+    return mx.concatenate(pieces, axis=1)
+
+
 # --- against transformers -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_full_forward_matches_transformers(name):
     model, ref = load_fixture(name)
-    assert relative_error(model(ref["input_ids"]), ref["incremental_logits"]) < TOLERANCE
-    if name not in LONGROPE:  # one law for every chunking: both references agree
-        assert relative_error(model(ref["input_ids"]), ref["logits"]) < TOLERANCE
+    assert relative_error(model(ref["input_ids"]), ref["logits"]) < TOLERANCE
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-@pytest.mark.parametrize("chunk", [1, 5])
-def test_cached_decode_matches_transformers(name, chunk):
-    """Token by token, and in chunks of 5 straddling the window edges and the longrope
-    boundary (positions 15 | 16 fall inside the chunk 15..19)."""
+@pytest.mark.parametrize("split", SPLITS)
+def test_cached_decode_matches_transformers(name, split):
+    """Token by token, in chunks of 5 (the chunk 15..19 straddles the longrope switch
+    and the window edges) and a 20-token prefill then single tokens, each against
+    transformers fed the same way through its cache."""
     model, ref = load_fixture(name)
-    assert relative_error(decode_in_chunks(model, ref["input_ids"], chunk), ref["incremental_logits"]) < TOLERANCE
+    assert relative_error(decode_in_pieces(model, ref["input_ids"], SPLITS[split]), ref[split]) < TOLERANCE
+
+
+@pytest.mark.parametrize("partial", LONGROPE_TF4)
+def test_longrope_tf4_dialect_reads_as_transformers(partial):
+    """Phi-3.5 / Phi-4-mini hub configs: rope_scaling {"type": "longrope", ...} beside a
+    top-level partial_rotary_factor and original_max_position_embeddings, one factor per
+    rotated pair, the attention factor from max / original positions (their logits: the
+    two tests above)."""
+    model, _ = load_fixture(LONGROPE_TF4[partial])
+    rope = model.layers[0].self_attn.rope
+    assert type(rope) is SuScaledRoPE and model.args.rotary_dims == rope.dims == int(16 * partial)
+    assert rope.original_max_position_embeddings == 16
+    assert rope.short_mscale == rope.long_mscale == pytest.approx(math.sqrt(1 + math.log(64 / 16) / math.log(16)))
 
 
 @pytest.mark.parametrize("name", LONGROPE)
 def test_longrope_fixtures_cross_the_boundary(name):
-    """The sequence passes original_max_position_embeddings, where transformers' per-call
-    switch makes its full forward differ from its own incremental decoding."""
+    """The sequence passes original_max_position_embeddings, so the splits disagree: a
+    call reaching past 16 rotates all its positions with the long factors (the full
+    forward, the 20-token prefill), single tokens before 16 keep the short ones."""
     model, ref = load_fixture(name)
     assert ref["input_ids"].shape[1] > model.args.original_max_position_embeddings == 16
-    assert relative_error(ref["logits"], ref["incremental_logits"]) > 1e-2
-    # Before the boundary transformers' full forward used the long factors already.
-    assert relative_error(model(ref["input_ids"])[:, :16], ref["logits"][:, :16]) > 1e-2
+    assert relative_error(ref["incremental_logits"], ref["logits"]) > 1e-2
+    assert relative_error(ref["chunked_logits"], ref["logits"]) > 1e-2
+    assert relative_error(ref["prefill_logits"], ref["logits"]) < TOLERANCE  # all long either way
 
 
 def test_fixtures_exercise_every_feature():
-    """Without the window, the short factors, or the attention factor the logits are
-    far off, so the tests above check each of them."""
+    """Without the window, the short factors, the long factors or the attention factor
+    the logits are far off, so the tests above check each of them."""
     model, ref = load_fixture("phi3_tf4", sliding_window=None)
     assert relative_error(model(ref["input_ids"]), ref["logits"]) > 1e-2
-    config = load_model(FIXTURES / "phi3_longrope_tf4")[1]
-    only_long = dict(config["rope_scaling"], short_factor=config["rope_scaling"]["long_factor"])
-    for override in ({"rope_scaling": only_long}, {"rope_scaling": None}, {"max_position_embeddings": 16}):
+    scaling = load_model(FIXTURES / "phi3_longrope_tf4")[1]["rope_scaling"]
+    only_long = dict(scaling, short_factor=scaling["long_factor"])
+    only_short = dict(scaling, long_factor=scaling["short_factor"])
+    # Single tokens before 16 are the only ones turned with the short factors.
+    model, ref = load_fixture("phi3_longrope_tf4", rope_scaling=only_long)
+    assert relative_error(decode_in_pieces(model, ref["input_ids"], [1] * 24), ref["incremental_logits"]) > 1e-2
+    for override in ({"rope_scaling": only_short}, {"rope_scaling": None}, {"max_position_embeddings": 16}):
         model, ref = load_fixture("phi3_longrope_tf4", **override)
-        assert relative_error(model(ref["input_ids"]), ref["incremental_logits"]) > 1e-2, override
+        assert relative_error(model(ref["input_ids"]), ref["logits"]) > 1e-2, override
 
 
 def test_caches_and_rotary_dims():
@@ -161,9 +192,12 @@ def test_sanitize_is_idempotent(name):
 
 # --- speculation and quantization -----------------------------------------------------
 
-# Longrope switching at 24 and a window of 12, both crossed while generating.
+# A window of 12, crossed while generating, and longrope switching at 8, inside the
+# prompt: every call from the prefill (9 tokens) on reaches past 8, so all use the long
+# factors however they are split. (A call ending before the switch keeps the short ones,
+# as in transformers, so a verify round straddling it would differ from plain decoding.)
 TINY = dict(BASE, intermediate_size=128, num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,
-            original_max_position_embeddings=24, sliding_window=12, rope_theta=1e4,
+            original_max_position_embeddings=8, sliding_window=12, rope_theta=1e4,
             rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0],
                           "long_factor": [1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0]})
 TINY_MISTRAL = dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -189,7 +223,7 @@ def plain(model, prompt=PROMPT):
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_speculative_equals_plain_phi3_target(phi3_dirs, k):
     """A noisy copy drafts: rounds end partly accepted, rollbacks run through the
-    sliding-window caches past the wrap and across the longrope boundary."""
+    sliding-window caches past the wrap, rotated with the long factors."""
     target, draft = load_model(phi3_dirs["target"])[0], load_model(phi3_dirs["noisy"])[0]
     assert isinstance(target.make_cache()[0], RotatingKVCache)
     stats = SpeculationStats()
@@ -228,6 +262,6 @@ def test_quantized_round_trip_loads_and_generates(phi3_dirs, tmp_path):
     logits = model(sequence)
     assert mx.argmax(logits[0, PROMPT.size - 1 : -1], axis=-1).tolist() == tokens
     ids = sequence[:, :20]
-    assert relative_error(decode_in_chunks(model, ids, 3), model(ids)) < 1e-4
+    assert relative_error(decode_in_pieces(model, ids, [9, 3, 3, 3, 2]), model(ids)) < 1e-4
     error = (mx.linalg.norm(model(ids) - float_model(ids)) / mx.linalg.norm(float_model(ids))).item()
     assert error < 0.7, error  # 4-bit random weights: see test_convert.py's measurements

@@ -134,29 +134,25 @@ SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0]
 LONG = [1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0]
 
 
-def su_reference(original, maximum, base=1e4, short_mscale=None, long_mscale=None):
-    default = math.sqrt(1 + math.log(maximum / original) / math.log(original))
-    plain = plain_freqs(HEAD, base)
-
-    def freqs(p):
-        return plain / np.array(SHORT if p < original else LONG)
-
-    def mscale(p):
-        chosen = short_mscale if p < original else long_mscale
-        return default if chosen is None else chosen
-
-    return freqs, mscale
+def su_reference(original, maximum, reach, base=1e4):
+    """Naive longrope for one call whose last position is reach - 1: all its positions
+    take the long factors if reach > original, else the short ones (transformers picks
+    by the call's length), with sqrt(1 + ln(max / original) / ln(original)) on both."""
+    mscale = math.sqrt(1 + math.log(maximum / original) / math.log(original))
+    factors = np.array(LONG if reach > original else SHORT)
+    return (lambda p: plain_freqs(HEAD, base) / factors), (lambda p: mscale)
 
 
-@pytest.mark.parametrize("offset, length", [(0, 10), (10, 12), (16, 5), (15, 1), (16, 1), (3, 13)])
-def test_su_scaled_rope_switches_at_the_original_context(offset, length):
-    """Positions below 16 use the short factors, from 16 on the long ones, with the
-    attention factor sqrt(1 + ln(64 / 16) / ln(16)) on both, wherever a call starts."""
+@pytest.mark.parametrize("offset, length", [(0, 10), (10, 12), (16, 5), (15, 1), (16, 1), (3, 13), (0, 17)])
+def test_su_scaled_rope_picks_factors_by_the_length_a_call_reaches(offset, length):
+    """A call ending at position 15 or before uses the short factors, one reaching 16 or
+    beyond the long ones for every position in it (10..21: 10..15 too), with the
+    attention factor sqrt(1 + ln(64 / 16) / ln(16)) on both."""
     rope = SuScaledRoPE(HEAD, base=1e4, max_position_embeddings=64, original_max_position_embeddings=16,
                         short_factor=SHORT, long_factor=LONG)
     assert rope.short_mscale == rope.long_mscale == pytest.approx(math.sqrt(1.5))
     x = features(length, seed=offset)
-    freqs, mscale = su_reference(16, 64)
+    freqs, mscale = su_reference(16, 64, reach=offset + length)
     assert_matches(rope, x, offset, naive_rope(x, range(offset, offset + length), freqs, mscale, HEAD))
 
 
@@ -165,21 +161,26 @@ def test_su_scaled_rope_separate_mscales_and_partial_dims():
                         short_factor=SHORT[:6], long_factor=LONG[:6], short_mscale=1.0, long_mscale=1.25)
     x = features(8)
     plain = plain_freqs(12, 1e4)
-    want = naive_rope(x, range(12, 20), lambda p: plain / np.array(SHORT[:6] if p < 16 else LONG[:6]),
-                      lambda p: 1.0 if p < 16 else 1.25, 12)
-    assert_matches(rope, x, 12, want)
+    for offset, factors, mscale in ((8, SHORT[:6], 1.0), (12, LONG[:6], 1.25)):  # reaching 16, then 20
+        want = naive_rope(x, range(offset, offset + 8), lambda p: plain / np.array(factors), lambda p: mscale, 12)
+        assert_matches(rope, x, offset, want)
     assert np.array_equal(np.array(rope(mx.array(x), offset=12))[..., 12:], x[..., 12:])  # unrotated tail untouched
     with pytest.raises(ValueError, match="short_factor needs 6 values"):
         SuScaledRoPE(12, short_factor=SHORT, long_factor=LONG[:6])
+    with pytest.raises(ValueError, match="needs an int offset"):
+        rope(mx.array(x), offset=mx.array([3]))
 
 
-def test_su_scaled_rope_is_the_same_however_the_sequence_is_split():
+def test_su_scaled_rope_depends_on_the_split_as_transformers():
+    """One call over 24 positions turns 0..15 with the long factors; in calls of 5 the
+    ones ending by 15 keep the short factors. From 16 on both agree."""
     rope = SuScaledRoPE(HEAD, max_position_embeddings=64, original_max_position_embeddings=16,
                         short_factor=SHORT, long_factor=LONG)
     x = mx.array(features(24))
     whole = rope(x)
-    pieces = [rope(x[..., i : i + 5, :], offset=i) for i in range(0, 24, 5)]
-    assert mx.allclose(whole, mx.concatenate(pieces, axis=2), atol=1e-6)
+    pieces = mx.concatenate([rope(x[..., i : i + 5, :], offset=i) for i in range(0, 24, 5)], axis=2)
+    assert mx.allclose(whole[..., 15:, :], pieces[..., 15:, :], atol=1e-6)  # the call 15..19 reaches past 16
+    assert not mx.allclose(whole[..., 1:15, :], pieces[..., 1:15, :], atol=1e-2)
 
 
 @pytest.mark.parametrize("traditional", [False, True])

@@ -7,9 +7,11 @@ What differs from llama:
   checkpoints load without rewriting and each is one matmul.
 - Rope may cover only the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75),
   and long-context checkpoints use LongRoPE ("longrope", formerly "su"; Phi-3 configs
-  saying "yarn" mean it too): per-frequency short/long rescale factors switching at
-  `original_max_position_embeddings` (a top-level key that wins over the rope dict's,
-  as in transformers) and an attention factor on the rotated features (rope_utils).
+  saying "yarn" mean it too): per-frequency short/long rescale factors and an attention
+  factor on the rotated features (rope_utils). As in transformers, a forward call whose
+  sequence reaches past `original_max_position_embeddings` (a top-level key that wins
+  over the rope dict's) rotates all its positions with the long factors, so a full
+  forward and token-by-token decoding differ before that position.
 - `sliding_window`, when set, applies to every layer (a query sees that many most recent
   positions, itself included) and those layers cache in a RotatingKVCache. A window no
   smaller than max_position_embeddings (Phi-3.5/4-mini's 262144 against 131072) never

@@ -6,13 +6,20 @@ the top level; transformers 5 writes one `rope_parameters` dict holding `rope_th
 `initialize_rope` accepts that scaling dict or upstream's (a "type" or "rope_type" key).
 Nothing here mutates a config dict it is given.
 
-Every module is a pure function of (features, absolute position): the rotation of a
-token never depends on how the sequence was split into forward calls. That is what
-makes cached decoding, chunked prefill and speculative verification agree. transformers
-instead switches longrope's and dynamic NTK's frequencies per forward call, by the
-largest position in the call; its token-by-token decoding is exactly ours, its single
-full forward over a sequence crossing the boundary rotates the early tokens with the
-long-context frequencies too.
+Every module but longrope is a pure function of (features, absolute position): the
+rotation of a token never depends on how the sequence was split into forward calls,
+which is what makes cached decoding, chunked prefill and speculative verification
+agree. Longrope follows transformers, which picks one factor set per forward call by
+the sequence length the call reaches: a call ending past
+original_max_position_embeddings turns all its positions with the long factors, so a
+full forward over a long sequence does too, while tokens fed one at a time before the
+boundary keep the short ones. Hub checkpoints are run with that rule, so we match it
+call for call; a prefill chunk or speculative verify round that straddles the switch
+therefore differs from feeding its tokens one at a time, in transformers too.
+(transformers' Phi-3 generate() also re-runs the whole sequence once it first grows
+past the switch, so every cached key gets the long factors; our generation loop does
+not.) Dynamic NTK also switches per call in transformers; here it is per position,
+which equals transformers' token-by-token decoding.
 
 References: "RoFormer" (arXiv 2104.09864); YaRN (arXiv 2309.00071); LongRoPE (arXiv
 2402.13753); transformers `modeling_rope_utils.py`.
@@ -246,10 +253,12 @@ class YarnRoPE(ScaledRoPE):
 
 
 class SuScaledRoPE(nn.Module):
-    """LongRoPE ("su" scaling, Phi-3.5 / Phi-4-mini): positions below
-    original_max_position_embeddings turn with base frequencies / short_factor and are
-    scaled by short_mscale, later positions with / long_factor and long_mscale. Either
-    mscale defaults to longrope_attention_factor(max / original, original)."""
+    """LongRoPE ("su" scaling, Phi-3.5 / Phi-4-mini): a call over positions
+    offset .. offset + L - 1 turns with base frequencies / short_factor, scaled by
+    short_mscale, while offset + L <= original_max_position_embeddings, else every one
+    of its positions with / long_factor and long_mscale (transformers' per-call rule,
+    see the module docstring). Either mscale defaults to
+    longrope_attention_factor(max / original, original)."""
 
     def __init__(
         self, dims: int, base: float = 10000.0, max_position_embeddings: int = 131072,
@@ -275,13 +284,12 @@ class SuScaledRoPE(nn.Module):
         self._long_freqs = periods(longrope_inv_freq(dims, base, long_factor))
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        return rope_either_side(x, offset, self.original_max_position_embeddings, self._short, self._long)
-
-    def _short(self, x: mx.array, offset: int) -> mx.array:
+        if not isinstance(offset, int):
+            raise ValueError(f"longrope picks its factors by the length a call reaches and needs an int offset, "
+                             f"got {offset!r}")
+        if offset + x.shape[-2] > self.original_max_position_embeddings:
+            return rope_with_periods(x, self.dims, offset, self._long_freqs, self.traditional, self.long_mscale)
         return rope_with_periods(x, self.dims, offset, self._short_freqs, self.traditional, self.short_mscale)
-
-    def _long(self, x: mx.array, offset: int) -> mx.array:
-        return rope_with_periods(x, self.dims, offset, self._long_freqs, self.traditional, self.long_mscale)
 
 
 class DynamicNTKRoPE(nn.Module):
