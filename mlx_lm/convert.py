@@ -7,10 +7,7 @@ in shards of at most 5 GB plus `model.safetensors.index.json`, `config.json` (wi
 """
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
@@ -28,12 +25,8 @@ from .utils import (
     quantize_model,
     quantized_layers,
     read_quantization,
-    save_config,
-    save_model,
+    save,
 )
-
-# Copied as they are: what generation needs beyond config and tokenizer.
-EXTRA_FILES = ["generation_config.json"]
 
 
 def _check_options(
@@ -100,19 +93,7 @@ def convert(
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
 
-    mlx_path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=mlx_path.parent, prefix=f".{mlx_path.name}.partial-"))
-    try:
-        save_model(staging, model, progress=lambda done, total: report("Saving", done, total))
-        save_config(config, staging / "config.json")
-        tokenizer.save_pretrained(str(staging))
-        for name in EXTRA_FILES:
-            if (model_path / name).exists():
-                shutil.copyfile(model_path / name, staging / name)
-        os.rename(staging, mlx_path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    save(mlx_path, model_path, model, tokenizer, config, progress=lambda done, total: report("Saving", done, total))
 
 
 def print_progress(stage: str, done: int, total: int) -> None:

@@ -4,8 +4,8 @@ import glob
 import importlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
@@ -506,18 +506,23 @@ def save(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
     config: Dict[str, Any],
+    *,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> None:
-    """Save a complete model directory: weights (save_model), config.json, the
-    tokenizer files and src_path's EXTRA_FILES. `dst_path` must not exist; it is
-    written under a temporary name and renamed when complete, so a failure leaves
-    nothing behind."""
+    """Save a complete model directory: weights (save_model, which calls `progress`),
+    config.json, the tokenizer files and src_path's EXTRA_FILES. `dst_path` must not
+    exist; it is written under a temporary name and renamed when complete, so a failure
+    leaves nothing behind."""
     dst_path = Path(dst_path)
     if dst_path.exists():
         raise ValueError(f"Cannot save to {dst_path}: it already exists; choose another path or remove it")
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=dst_path.parent, prefix=f".{dst_path.name}.partial-"))
+    # os.mkdir, not tempfile.mkdtemp: the folder is renamed into place, and should get
+    # the mode the umask gives any folder (mkdtemp's is 0700, private to its owner).
+    staging = dst_path.parent / f".{dst_path.name}.partial-{secrets.token_hex(8)}"
+    os.mkdir(staging)
     try:
-        save_model(staging, model)
+        save_model(staging, model, progress=progress)
         save_config(config, staging / "config.json")
         tokenizer.save_pretrained(str(staging))
         for name in EXTRA_FILES:

@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import os
 import re
 import shutil
 
@@ -214,11 +215,23 @@ def test_failed_write_leaves_no_output(tmp_path, tiny_llama_dir, monkeypatch):
     def fail(config, path):
         raise OSError("disk full")
 
-    # (mlx_lm.convert is the function, as upstream exports it; patch the module)
-    monkeypatch.setattr(importlib.import_module("mlx_lm.convert"), "save_config", fail)
+    monkeypatch.setattr(importlib.import_module("mlx_lm.utils"), "save_config", fail)
     with pytest.raises(OSError, match="disk full"):
         convert(str(tiny_llama_dir), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["022", "077"])
+def test_output_folder_gets_the_mode_mkdir_gives(tmp_path, tiny_llama_dir, umask):
+    """The folder is written under a temporary name first; it still ends up as any folder
+    the user makes (0755 under umask 022), not private to them as a temporary one is."""
+    previous = os.umask(umask)
+    try:
+        (tmp_path / "made").mkdir()
+        convert(str(tiny_llama_dir), tmp_path / "out")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode == (tmp_path / "made").stat().st_mode
 
 
 def test_cli_reports_progress_and_errors(tmp_path, tiny_llama_dir, capsys):
