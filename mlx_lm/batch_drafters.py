@@ -5,8 +5,8 @@ single-token steps (a point mass, so sampling rows keep the target's law), and a
 the verify keeps, per row, what the target kept.
 
 Both sit out plain steps: what they missed is fed in one forward when they next draft,
-and before rows join or leave (`catch_up`), so that every row's entries then hold what
-a solo run's would."""
+before rows join or leave, and after MAX_LAG of them (`catch_up`), so that every row's
+entries then hold what a solo run's would."""
 
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -16,6 +16,12 @@ import mlx.nn as nn
 from .drafters import check_mtp_head, ids_within
 from .models.batch_cache import bookkeeping, make_room, trim_rows
 from .models.cache import make_prompt_cache
+
+# Plain steps a drafter sits out before it is fed them anyway (in one forward), even
+# while no row drafts (rows with logits processors never do): its caches stay those of
+# the rows' tokens (a returned cache is whole), its lag's memory and the (B, L) forward
+# that catches it up stay bounded.
+MAX_LAG = 16
 
 # What a round's drafting returns: the (B, K + 1) columns to verify (each row's token,
 # its drafts, then its token again as padding) and how to read the drafts, once run.
@@ -70,8 +76,10 @@ class BatchDraftModel:
     def filter(self, keep: List[int]) -> None:
         pass
 
-    def plain_step(self, fed: mx.array, sampled: mx.array, hidden: Optional[mx.array]) -> None:
-        self.lag.append(fed)  # fed when it next drafts (catch_up)
+    def plain_step(self, cache: List[Any], fed: mx.array, sampled: mx.array, hidden: Optional[mx.array]) -> None:
+        self.lag.append(fed)  # fed when it next drafts (catch_up), or once MAX_LAG wait
+        if len(self.lag) >= MAX_LAG:
+            self.catch_up(cache)
 
     def catch_up(self, cache: List[Any]) -> None:
         """Feed the tokens plain steps gave the target alone, in one forward (every
@@ -193,8 +201,10 @@ class BatchMTPHead:
         at = mx.array(keep, dtype=mx.int32)
         self.pending = (mx.take(self.pending[0], at, axis=0), mx.take(self.pending[1], at, axis=0))
 
-    def plain_step(self, fed: mx.array, sampled: mx.array, hidden: mx.array) -> None:
+    def plain_step(self, cache: List[Any], fed: mx.array, sampled: mx.array, hidden: mx.array) -> None:
         self.lag.append((sampled[:, None], hidden, None))
+        if len(self.lag) >= MAX_LAG:
+            self.catch_up(cache)
 
     def catch_up(self, cache: List[Any]) -> None:
         """Feed the pending pairs and every pair in the lag but each row's last, which

@@ -484,7 +484,7 @@ class BatchGenerator:
         hidden, logits = self._target(fed[:, None], self._caches[: self._num_target])
         self._tokens, logprobs = self._sample(logits[:, -1, :])  # (B,), (B, V)
         if self._drafter is not None:  # it gets what it missed when it next drafts (catch_up)
-            self._drafter.plain_step(fed, self._tokens, hidden)
+            self._drafter.plain_step(self._caches[self._num_target :], fed, self._tokens, hidden)
         mx.async_eval(self._tokens, logprobs, bookkeeping(self._caches))
         self._logprobs = [logprobs[i] for i in range(len(self._active))]
         self._emit = [True] * len(self._active)

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from checkpoints import TINY_CONFIGS
-from mlx_lm import batching
+from mlx_lm import batch_drafters, batching
 from mlx_lm.batching import BatchGenerator, batch_generate
 from mlx_lm.draft_length import BatchDraftLengthPolicy
 from mlx_lm.drafters import ids_within
@@ -473,6 +473,33 @@ def test_a_draft_that_sits_out_plain_steps_catches_up(monkeypatch):
         fresh = make_prompt_cache(draft)
         draft(mx.array(p + a)[None], cache=fresh)
         assert_same_caches(cache[num_target:], fresh)
+
+
+@pytest.mark.parametrize("draft_name", ["qwen3", "qwen3_next"])
+def test_a_draft_no_row_uses_lags_by_a_bounded_chunk(draft_name):
+    """Rows with logits processors never draft: the draft is still fed their tokens,
+    MAX_LAG plain steps at a time (not all at once at the end: an unbounded (B, L)
+    forward), so a returned cache's draft half holds the row's tokens."""
+    model, draft = tiny_model("qwen3"), perturbed(draft_name)
+    penalty = [make_repetition_penalty(1.3)]
+    prompts = [repetitive_prompt(9, 0), repetitive_prompt(5, 1)]
+    answers = [solo(model, p, 50, logits_processors=penalty) for p in prompts]
+    generator = BatchGenerator(model, max_tokens=50, draft_model=draft, return_prompt_caches=True)
+    uids = generator.insert(prompts, logits_processors=[penalty, penalty])
+    out, caches, lags = {u: [] for u in uids}, {}, []
+    while len(generator):
+        for r in generator.next_generated():
+            out[r.uid].append(r.token)
+            if r.finish_reason:
+                caches[r.uid] = r.prompt_cache
+        lags.append(len(generator._drafter.lag))
+    assert [out[u] for u in uids] == answers
+    assert max(lags) == batch_drafters.MAX_LAG - 1 and generator.stats().draft_tokens == 0
+    num_target = len(make_prompt_cache(model))
+    for u, p in zip(uids, prompts):
+        fresh = make_prompt_cache(draft)
+        draft(mx.array(p + out[u])[None], cache=fresh)
+        assert_same_caches(caches[u][num_target:], fresh)
 
 
 def test_draft_model_must_batch_its_caches():

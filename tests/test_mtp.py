@@ -442,6 +442,33 @@ def test_mtp_in_the_batch_equals_solo_and_drafts_as_solo(checkpoints, family):
     assert 0 < generator.stats().accepted_tokens < generator.stats().draft_tokens
 
 
+def test_a_head_no_row_uses_lags_by_a_bounded_chunk(checkpoints):
+    """Rows with logits processors never draft: the head still gets their pairs, at
+    most MAX_LAG plain steps late (not all at the end in one (B, L) forward), so a
+    returned head cache holds the pairs of the row's tokens but the last."""
+    from mlx_lm import batch_drafters
+    from mlx_lm.batching import BatchGenerator
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    model = load_family(checkpoints, "qwen3_next")
+    penalty = [make_repetition_penalty(1.3)]
+    plain = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40, logits_processors=penalty)]
+    generator = BatchGenerator(model, mtp=True, return_prompt_caches=True)
+    (uid,) = generator.insert([PROMPT], max_tokens=40, logits_processors=[penalty])
+    out, lags = [], []
+    while len(generator):
+        for r in generator.next_generated():
+            out.append(r.token)
+            last = r
+        lags.append(len(generator._drafter.lag))
+    assert out == plain and max(lags) == batch_drafters.MAX_LAG - 1
+    head = last.prompt_cache[len(model.layers):]
+    want = reference_head_cache(model, PROMPT + out)[0]
+    assert head[0].offset == len(PROMPT + out) - 1
+    for got, expected in zip(head[0].state, want.state):
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-4)
+
+
 def test_a_queued_mtp_round_is_undone_when_rows_are_removed_or_copied(checkpoints):
     """A copy of a row's caches or a removal between steps (a round queued) holds the
     reported tokens: the target's, and the head's pairs of them but the last; the rows
