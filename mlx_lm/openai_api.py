@@ -440,8 +440,8 @@ class ResponseBuilder:
             choice["text"] = text
         elif stream:
             choice["delta"] = {"content": text} if text or finish_reason is None else {}
-        else:
-            choice["message"] = {"role": "assistant", "content": text or None}
+        else:  # an empty answer is "" as in OpenAI's (null is for a reply of tool calls only)
+            choice["message"] = {"role": "assistant", "content": text}
         return choice
 
     def completion(self, result: GenerationResult) -> dict:

@@ -12,10 +12,17 @@ work, a client that disconnects has its job cancelled, and prompt caches are reu
 exactly (see serving.py).
 
 Connections. The port is bound before the model loads. One thread per connection, at
-most --max-connections (past that: 503 and close); every read and write waits at most
---request-timeout (408 for a body that stops short); every refusal is a JSON error in
-OpenAI's shape. Web pages get in only from --allowed-origins (CORS): a request whose
-Origin header is not listed is refused with 403 before any work.
+most --max-connections. A connection waiting for a request (just opened, idle between
+keep-alive requests, or with a request line and headers still arriving) keeps its slot
+only until a new connection needs one: at the limit the one that has waited longest is
+closed. Only when every slot serves a request is a new connection refused (503 and
+close, from the accepting thread). --request-timeout bounds, in all, the wait for a
+request's line and headers, counted from the connect or the end of the previous answer
+(then 408 and close, or a silent close if nothing came), and bounds each read of a body
+(408 for a body that stops short) and each write. Every refusal is a JSON error in
+OpenAI's shape. A request must carry exactly one Content-Length (a repeated one is
+refused even when the copies agree). Web pages get in only from --allowed-origins
+(CORS): a request whose Origin header is not listed is refused with 403 before any work.
 
 Extensions to OpenAI's schema: request `num_draft_tokens`; in `usage`,
 `speculation: {num_drafted, num_accepted, num_target_forwards}` and
@@ -24,6 +31,7 @@ target accepted / rejected).
 """
 
 import argparse
+import io
 import json
 import logging
 import math
@@ -36,7 +44,7 @@ import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 from urllib.parse import unquote
 
 import mlx.core as mx
@@ -76,13 +84,153 @@ log = logging.getLogger("mlx_lm.server")
 
 
 # ---------------------------------------------------------------------------
+# Connection slots.
+
+
+class _Evicted(Exception):
+    """In a handler whose waiting connection gave its slot to a newer one."""
+
+
+class _RequestLate(Exception):
+    """A request line and headers not all there by the connection's deadline."""
+
+
+class ConnectionSlot:
+    """One open connection. `waiting_since`: when it began waiting for its next request
+    (accepted, or its last answer sent); None while a request is served."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.waiting_since: Optional[float] = time.monotonic()
+        self.evicted = False
+
+
+class ConnectionSlots:
+    """At most `limit` connections held at once. One waiting for a request holds its
+    slot only until a new connection needs it: at the limit the one waiting longest is
+    shut down, which ends its thread's read. Only if every connection is being served
+    is a new one refused. Admission runs on the accepting thread, the rest on handlers."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: Dict[socket.socket, ConnectionSlot] = {}  # evicted ones too, until their threads end
+        self._num_held = 0  # the open ones not evicted
+
+    def admit(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._num_held >= self.limit:
+                waiting = [slot for slot in self._open.values() if slot.waiting_since is not None and not slot.evicted]
+                if not waiting:
+                    return False
+                self._evict(min(waiting, key=lambda slot: slot.waiting_since))
+            self._open[sock] = ConnectionSlot(sock)
+            self._num_held += 1
+            return True
+
+    def _evict(self, slot: ConnectionSlot) -> None:
+        slot.evicted = True
+        self._num_held -= 1
+        log.debug("At --max-connections (%d): closing a connection idle for %.1f s to make room", self.limit,
+                  time.monotonic() - slot.waiting_since)
+        try:
+            slot.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed by its peer or its thread
+            pass
+
+    def slot(self, sock: socket.socket) -> ConnectionSlot:
+        with self._lock:
+            return self._open[sock]
+
+    def wait_for_request(self, slot: ConnectionSlot) -> float:
+        """Since when `slot` has waited for its next request."""
+        with self._lock:
+            if slot.waiting_since is None:
+                slot.waiting_since = time.monotonic()
+            return slot.waiting_since
+
+    def serve(self, slot: ConnectionSlot) -> None:
+        """Its request's headers are in: from now on it cannot be evicted."""
+        with self._lock:
+            if slot.evicted:  # the headers completed as its slot was given away
+                raise _Evicted()
+            slot.waiting_since = None
+
+    def release(self, sock: socket.socket) -> None:
+        with self._lock:
+            slot = self._open.pop(sock, None)
+            if slot is not None and not slot.evicted:
+                self._num_held -= 1
+
+
+class _RequestReader(io.RawIOBase):
+    """A connection's input under the handler's buffered `rfile`. While `deadline` is
+    set (reading a request line and headers) each read waits only for what is left of
+    it, so a client trickling a byte at a time cannot stretch the wait; otherwise each
+    read waits at most `timeout` (the socket's own)."""
+
+    def __init__(self, sock: socket.socket, slot: ConnectionSlot, timeout: float):
+        self._sock, self._slot, self._timeout = sock, slot, timeout
+        self.deadline: Optional[float] = None  # time.monotonic() seconds
+        self.received = 0  # bytes read since the deadline was set
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.deadline is None:
+            return self._sock.recv_into(buffer)
+        if self._slot.evicted:
+            raise _Evicted()
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _RequestLate()
+        self._sock.settimeout(left)
+        try:
+            count = self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise _RequestLate() from None
+        finally:
+            self._sock.settimeout(self._timeout)
+        if self._slot.evicted:  # its end of input came from the eviction, not the peer
+            raise _Evicted()
+        self.received += count
+        return count
+
+
+def body_size(headers) -> int:
+    """The byte count of a request body from its headers; RequestError unless exactly
+    one Content-Length (of ASCII digits, and no Transfer-Encoding) gives it."""
+    if headers.get("Transfer-Encoding") is not None:
+        raise RequestError(411, "chunked request bodies are not supported: send a Content-Length header")
+    lengths = headers.get_all("Content-Length", [])
+    if not lengths:
+        raise RequestError(411, "a Content-Length header is required")
+    if len(lengths) > 1:  # which one frames the body is exactly what request smuggling plays on
+        raise RequestError(400, f"the request has {len(lengths)} Content-Length headers: send exactly one")
+    length = lengths[0].strip()
+    if not (length.isascii() and length.isdigit()):  # str.isdigit() alone takes "\u00b2"
+        shown = repr(length) if len(length) <= 40 else repr(length[:40]) + "..."
+        raise RequestError(400, f"invalid Content-Length header {shown}: expected a byte count")
+    digits = length.lstrip("0") or "0"  # int() refuses over 4300 digits, even zeros
+    if len(digits) > 18:
+        raise RequestError(400, f"invalid Content-Length header: {len(digits)} digits, more than 18 digits "
+                                "(no body is that long)")
+    size = int(digits)
+    if size > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+    return size
+
+
+# ---------------------------------------------------------------------------
 # HTTP.
 
 
 class APIServer(ThreadingHTTPServer):
     """Binds at construction (before any model loads); `provider` and `worker` are set
-    once loaded. One thread per connection, at most `max_connections` at once: past
-    that a connection gets a 503 from the accepting thread and is closed."""
+    once loaded. One thread per connection, at most `max_connections` at once (see
+    ConnectionSlots): past that a connection gets a 503 from the accepting thread and
+    is closed."""
 
     daemon_threads = True  # a hung client never keeps the process alive
     request_queue_size = 128  # listen backlog: a burst of connects waits here, not for a SYN retry
@@ -98,9 +246,9 @@ class APIServer(ThreadingHTTPServer):
         self.allowed_origins = allowed_origins
         self.request_timeout = request_timeout
         self.max_connections = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.slots = ConnectionSlots(max_connections)
         self._num_refused, self._last_refusal_log = 0, -math.inf
-        body = json.dumps(error_body(503, f"the server already has {max_connections} open connections "
+        body = json.dumps(error_body(503, f"the server is already serving {max_connections} requests "
                                           "(--max-connections); retry shortly")).encode()
         self._busy_response = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
@@ -111,20 +259,20 @@ class APIServer(ThreadingHTTPServer):
         return f"http://[{host}]:{port}" if self.address_family == socket.AF_INET6 else f"http://{host}:{port}"
 
     def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self.slots.admit(request):
             self._refuse(request, client_address)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread took the slot
-            self._slots.release()
+            self.slots.release(request)
             raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self.slots.release(request)
 
     def _refuse(self, sock: socket.socket, client_address) -> None:
         """Answer 503 without a thread. The response is smaller than any send buffer, so
@@ -132,7 +280,7 @@ class APIServer(ThreadingHTTPServer):
         self._num_refused += 1
         if time.monotonic() - self._last_refusal_log > 10:  # a flood must not flood the log
             self._last_refusal_log = time.monotonic()
-            log.warning("At --max-connections (%d): refusing connections (%d so far, latest from %s)",
+            log.warning("At --max-connections (%d), all serving: refusing connections (%d so far, latest from %s)",
                         self.max_connections, self._num_refused, client_address[0])
         try:
             sock.setblocking(False)
@@ -160,9 +308,39 @@ class APIHandler(BaseHTTPRequestHandler):
     PROBE_INTERVAL = 1.0  # seconds between writes that test a client whose side reads as closed
 
     def setup(self) -> None:
-        # Bounds every read (request line, headers, body, idle keep-alive) and every write.
+        # Bounds each read and write; the request line and headers have a deadline too.
         self.timeout = self.server.request_timeout
         super().setup()
+        self._slot = self.server.slots.slot(self.connection)
+        self._reader = _RequestReader(self.connection, self._slot, self.timeout)
+        self.rfile.close()  # socketserver's reader, replaced by one that keeps the deadline
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        """One request. Its line and headers must all arrive within --request-timeout of
+        when the connection began waiting for them: a request late by then gets a 408
+        (nothing if none of it came); a connection evicted meanwhile, nothing."""
+        # Until this request's line is parsed, a reply or a log line must not show the last one's.
+        self.requestline, self.command, self.request_version, self.headers = "", "", self.default_request_version, None
+        self._response_started = False
+        self._reader.deadline = self.server.slots.wait_for_request(self._slot) + self.server.request_timeout
+        self._reader.received = 0
+        try:
+            super().handle_one_request()
+        except _Evicted:
+            self.close_connection = True
+        except _RequestLate:
+            self.close_connection = True
+            if self._reader.received:
+                self._reply_error(408, "the request line and headers did not all arrive within "
+                                       f"{self.server.request_timeout:g} s (--request-timeout)")
+
+    def parse_request(self) -> bool:
+        """http.server's, then the body and the answer get per-read timeouts only."""
+        parsed = super().parse_request()
+        self._reader.deadline = None
+        self.server.slots.serve(self._slot)
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s - %s", self.address_string(), format % args)
@@ -218,20 +396,11 @@ class APIHandler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _read_body(self) -> Any:
-        if self.headers.get("Transfer-Encoding") is not None:
-            self.close_connection = True
-            raise RequestError(411, "chunked request bodies are not supported: send a Content-Length header")
-        length = self.headers.get("Content-Length")
-        if length is None:
-            self.close_connection = True
-            raise RequestError(411, "a Content-Length header is required")
-        if not length.strip().isdigit():
-            self.close_connection = True
-            raise RequestError(400, f"invalid Content-Length header {length!r}")
-        size = int(length)
-        if size > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise RequestError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        try:
+            size = body_size(self.headers)
+        except RequestError:
+            self.close_connection = True  # where the body ends is unknown
+            raise
         try:
             raw = self.rfile.read(size)
         except TimeoutError:
@@ -251,12 +420,12 @@ class APIHandler(BaseHTTPRequestHandler):
 
     def _discard_body(self) -> None:
         """Routes that take no body: one sent anyway would be read as the next request."""
-        if self.headers.get("Transfer-Encoding") is not None or self.headers.get("Content-Length", "0") != "0":
+        lengths = self.headers.get_all("Content-Length", [])
+        if self.headers.get("Transfer-Encoding") is not None or lengths not in ([], ["0"]):
             self.close_connection = True
 
     def _guarded(self, route: Callable[[], None]) -> None:
         """Every failure becomes a JSON error, never a silently dropped connection."""
-        self._response_started = False
         try:
             if not self._origin_allowed():
                 self.close_connection = True  # the body, if any, stays unread
@@ -467,10 +636,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                              "server, or '*' for any; requests from other pages (they carry an Origin header) "
                              "are refused with 403, requests without one are served (default: none)")
     parser.add_argument("--max-connections", type=positive_int, default=64,
-                        help="Open connections served at once (one thread each); more get 503 and are closed")
+                        help="Open connections at once (one thread each). At the limit a new connection takes "
+                             "the slot of the one that has waited longest for a request (idle keep-alive, or "
+                             "headers still arriving); only when all are serving does it get 503 and a close")
     parser.add_argument("--request-timeout", type=positive_float, default=30.0,
-                        help="Seconds a connection may stay silent while the server reads (request line, headers, "
-                             "body, idle keep-alive) or blocked while it writes, before it is closed")
+                        help="Seconds a request's line and headers may take in all (from the connect, or from the "
+                             "end of the previous answer on a keep-alive connection), and that one read of a body "
+                             "or one write may take, before the connection is closed")
     parser.add_argument("--allow-other-models", action="store_true",
                         help="Let requests name other local model directories (loaded on demand, one at a time)")
     add_dtype_argument(parser)

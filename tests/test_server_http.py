@@ -8,6 +8,7 @@ hybrid (Gated DeltaNet) target with the same draft, both with small connection l
 and timeouts so the tests run in seconds.
 """
 
+import contextlib
 import http.client
 import json
 import os
@@ -23,7 +24,7 @@ import pytest
 from server_harness import write_server_models, start_server
 
 from mlx_lm.generate import generate
-from mlx_lm.openai_api import ServerDefaults
+from mlx_lm.openai_api import RequestError, ServerDefaults
 from mlx_lm.server import APIServer, setup_arg_parser
 from mlx_lm.utils import load
 
@@ -199,14 +200,47 @@ def test_protocol_errors_get_json_errors_and_close(dense):
     for raw, status in [(b"NONSENSE\r\n\r\n", 400), (b"PUT /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 405),
                         (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411),
                         (b"GET /health HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", 431)]:
-        sock = socket.create_connection(dense.address)
-        sock.sendall(raw)
-        reply = read_until_closed(sock)  # closed after the error: no second reading of the stream
-        sock.close()
-        head, body = reply.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.") and int(head.split()[1]) == status, reply[:200]
-        assert json.loads(body)["error"]["code"] == status
+        assert protocol_error(dense, raw)["code"] == status
     assert_serves(dense)
+
+
+def protocol_error(server, raw):
+    """The JSON error a raw request gets; the server closes the connection after it
+    (no second reading of the stream)."""
+    sock = socket.create_connection(server.address)
+    sock.sendall(raw)
+    reply = read_until_closed(sock)
+    sock.close()
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.") and b"Content-Type: application/json" in head, reply[:200]
+    error = json.loads(body)["error"]
+    assert int(head.split()[1]) == error["code"], reply[:200]
+    return error
+
+
+BODY = json.dumps({"messages": MESSAGES, "max_tokens": 1}).encode()
+BAD_LENGTHS = [
+    ([b"1" * 5000], "more than 18 digits"),  # once a 500 with a traceback: int() refuses 4300+ digits
+    ([b"\xb2"], "'\u00b2'"),  # a Latin-1 superscript two: str.isdigit() says yes, int() says no
+    ([b"-5"], "'-5'"),
+    ([b"%d" % len(BODY), b"%d" % (len(BODY) - 1)], "2 Content-Length headers"),
+    ([b"%d" % len(BODY)] * 2, "2 Content-Length headers"),  # identical duplicates too: send exactly one
+]
+
+
+@pytest.mark.parametrize("lengths, message", BAD_LENGTHS, ids=range(len(BAD_LENGTHS)))
+def test_bad_content_lengths_are_400_naming_the_header(dense, lengths, message):
+    head = b"".join(b"Content-Length: %s\r\n" % value for value in lengths)
+    error = protocol_error(dense, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + BODY)
+    assert error["code"] == 400 and error["type"] == "invalid_request_error", error
+    assert "Content-Length" in error["message"] and message in error["message"], error
+    assert len(error["message"]) < 300  # the 5000 digits are not echoed back
+    assert_serves(dense)
+
+
+def test_a_zero_padded_content_length_is_its_value(dense):
+    status, _, body = post(dense, "/v1/chat/completions", BODY, {"Content-Length": "0" * 5000 + str(len(BODY))})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1, body
 
 
 def test_unread_bodies_are_never_parsed_as_requests(dense):
@@ -215,9 +249,10 @@ def test_unread_bodies_are_never_parsed_as_requests(dense):
     smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     for head in [b"POST /v1/completions HTTP/1.1\r\nOrigin: http://evil.example\r\n",
                  b"GET /health HTTP/1.1\r\n",
+                 b"GET /health HTTP/1.1\r\nContent-Length: 0\r\n",  # and a second one: the body's length
                  b"POST /v1/completions HTTP/1.1\r\nContent-Length: 10\r\nTransfer-Encoding: chunked\r\n"]:
         sock = socket.create_connection(dense.address)
-        length = b"" if b"Content-Length" in head else b"Content-Length: %d\r\n" % len(smuggled)
+        length = b"" if b"Transfer-Encoding" in head else b"Content-Length: %d\r\n" % len(smuggled)
         sock.sendall(head + length + b"Host: x\r\n\r\n" + smuggled)
         reply = read_until_closed(sock)
         sock.close()
@@ -242,6 +277,34 @@ def test_short_body_times_out_with_408(server):
     assert_serves(server)
 
 
+@pytest.mark.parametrize("case", ["request_line", "headers", "second_request"])
+def test_a_request_trickling_in_is_dropped_at_the_deadline(dense, case):
+    """A byte every TIMEOUT/4 s never trips the per-read timeout; the request line and
+    headers get TIMEOUT seconds in all, counted from the connect or, on a keep-alive
+    connection, from the end of the previous answer. Then a 408 and a close."""
+    sock = socket.create_connection(dense.address)
+    if case == "second_request":
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b'{"status": "ok"}'):
+            answer += sock.recv(65536)
+    began = time.time()
+    sock.sendall(b"" if case == "request_line" else b"GET /health HTTP/1.1\r\n")
+    # The last byte goes out a little before the deadline, so that none is in flight
+    # when the server closes (unread bytes would turn its close into a reset).
+    while time.time() - began < TIMEOUT - 0.25:
+        sock.send(b"y")
+        time.sleep(TIMEOUT / 4)
+    reply = read_until_closed(sock, limit=TIMEOUT + 5)
+    closed_after = time.time() - began
+    sock.close()
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head, reply[:300]
+    assert "--request-timeout" in json.loads(body)["error"]["message"]
+    assert TIMEOUT - 0.2 < closed_after < TIMEOUT + 0.75  # not a per-read timeout after the last byte
+    assert_serves(dense)
+
+
 def test_idle_connections_neither_pile_up_threads_nor_memory(dense):
     assert_serves(dense)
     time.sleep(TIMEOUT + 0.5)  # keep-alive connections of earlier tests time out
@@ -251,31 +314,108 @@ def test_idle_connections_neither_pile_up_threads_nor_memory(dense):
     for sock in socks:
         sock.close()
     assert wait_for(lambda: proc_status(dense)[0] <= threads_before, 5)
-    # A keep-alive connection left idle after its request, and 200 held open: past the
-    # cap, a 503 JSON and a close, with no thread.
+    # A keep-alive connection left idle after its request, then 199 more held open and
+    # silent: past the cap each new one takes the slot of the one that has waited
+    # longest for a request (the kept one first), which is closed without a word.
     kept = socket.create_connection(dense.address)
     kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     answer = b""
     while not answer.endswith(b'{"status": "ok"}'):  # headers and body may come in separate reads
         answer += kept.recv(65536)
     assert answer.startswith(b"HTTP/1.1 200")
+    began = time.time()
     socks = [socket.create_connection(dense.address) for _ in range(200 - 1)]
+    num_evicted = 200 - MAX_CONNECTIONS
+    evicted = [read_until_closed(sock, limit=TIMEOUT + 10) for sock in [kept] + socks[:num_evicted - 1]]
+    assert evicted == [b""] * num_evicted and time.time() - began < TIMEOUT - 0.5  # before any deadline
+    assert wait_for(lambda: proc_status(dense)[0] <= threads_before + MAX_CONNECTIONS, 5)
     threads_held = proc_status(dense)[0]
-    replies = [read_until_closed(sock, limit=TIMEOUT + 10) for sock in socks]  # the held ones close on timeout
-    refused = [r for r in replies if r.startswith(b"HTTP/1.1 503")]
-    assert len(refused) == 200 - MAX_CONNECTIONS and b"--max-connections" in refused[0]
-    assert json.loads(refused[0].split(b"\r\n\r\n", 1)[1])["error"]["code"] == 503
-    assert replies.count(b"") == MAX_CONNECTIONS - 1  # idle: closed without a word
-    assert read_until_closed(kept, limit=TIMEOUT + 10) == b""
+    # The rest hold their slots until the deadline, and close without a word too.
+    assert [read_until_closed(sock, limit=TIMEOUT + 10) for sock in socks[num_evicted - 1:]] == [b""] * MAX_CONNECTIONS
+    assert time.time() - began > TIMEOUT - 0.2
     for sock in socks + [kept]:
         sock.close()
-    assert threads_held <= threads_before + MAX_CONNECTIONS
     assert wait_for(lambda: proc_status(dense)[0] <= threads_before, 5)
     threads_after, rss_after = proc_status(dense)
     print(f"threads {threads_before} -> {threads_held} (holding) -> {threads_after}; "
           f"RSS {rss_before} -> {rss_after} MiB")
     assert rss_after - rss_before < 20
     assert_serves(dense)
+
+
+class _HeldProvider:
+    """Holds each request in make_job (its connection is being served) until released."""
+
+    model_id = "held"
+    names = {"held"}
+
+    def __init__(self):
+        self.entered = threading.Semaphore(0)
+        self.released = threading.Event()
+
+    def make_job(self, request):
+        self.entered.release()
+        self.released.wait(30)
+        raise RequestError(400, "released")
+
+
+@contextlib.contextmanager
+def in_process(provider, max_connections):
+    """An APIServer in this process, serving `provider` without a worker."""
+    server = APIServer("127.0.0.1", 0, ServerDefaults(), [], max_connections=max_connections, request_timeout=TIMEOUT)
+    server.provider = provider
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def get_health(address):
+    connection = http.client.HTTPConnection(*address, timeout=30)
+    connection.request("GET", "/health")
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    return response.status, body
+
+
+def test_waiting_connections_give_way_and_only_served_ones_refuse():
+    """At --max-connections a new connection takes the slot of the one waiting longest
+    for a request; only when every connection is being served is it refused with 503,
+    by the accepting thread, at once."""
+    provider = _HeldProvider()
+    with in_process(provider, max_connections=3) as server:
+        began = time.time()
+        # Every slot held by a connection waiting for a request: a silent one, one with
+        # part of a request line, one with part of its headers.
+        waiting = [socket.create_connection(server.server_address) for _ in range(3)]
+        waiting[1].sendall(b"GET /hea")
+        waiting[2].sendall(b"GET /health HTTP/1.1\r\nHo")
+        assert get_health(server.server_address) == (200, {"status": "ok"})
+        assert read_until_closed(waiting[0], limit=TIMEOUT) == b""
+        # Three requests being served take the other slots, one after the other.
+        served = []
+        for _ in range(3):
+            served.append(socket.create_connection(server.server_address))
+            served[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                               % (len(b'{"prompt": "x"}'), b'{"prompt": "x"}'))
+            assert provider.entered.acquire(timeout=10)
+        assert [read_until_closed(sock, limit=TIMEOUT) for sock in waiting[1:]] == [b"", b""]
+        with socket.create_connection(server.server_address) as sock:
+            refused = read_until_closed(sock, limit=TIMEOUT)
+        head, body = refused.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head
+        assert json.loads(body)["error"]["code"] == 503 and b"--max-connections" in body
+        assert time.time() - began < TIMEOUT - 0.5  # nothing waited for a timeout
+        provider.released.set()
+        for sock in served:
+            assert b'"released"' in read_until_closed(sock, limit=TIMEOUT + 5)
+            sock.close()
+        assert get_health(server.server_address) == (200, {"status": "ok"})
+        for sock in waiting:
+            sock.close()
 
 
 def test_burst_of_connects_waits_in_the_backlog(dense):
@@ -376,6 +516,23 @@ def test_vanished_non_streaming_client_is_cancelled(server):
     assert_serves(server)
 
 
+def test_an_empty_answer_is_an_empty_string_never_null(dense):
+    """An answer ended by EOS at once: OpenAI sends "content": "" (null is for a reply
+    that is only tool calls), and no stream delta carries a null either."""
+    first_eos = {"logit_bias": {"0": 100}, "temperature": 0}  # token 0 is the tiny models' EOS
+    status, _, body = post(dense, "/v1/chat/completions", {"messages": MESSAGES, **first_eos})
+    assert status == 200 and body["choices"][0]["message"] == {"role": "assistant", "content": ""}, body
+    assert body["choices"][0]["finish_reason"] == "stop"
+    status, _, body = post(dense, "/v1/completions", {"prompt": "Say", **first_eos})
+    assert status == 200 and body["choices"][0]["text"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    sock = raw_chat(dense, {"stream": True, **first_eos})
+    events = sse_events(read_until_closed(sock))
+    sock.close()
+    deltas = [json.loads(e[len("data: "):])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[-1] == {}, deltas
+    assert all(isinstance(d.get("content", ""), str) for d in deltas), deltas
+
+
 # ---------------------------------------------------------------------------
 # Addresses, ports, names, help.
 
@@ -455,10 +612,7 @@ class _BrokenProvider:
 
 
 def test_unexpected_handler_failures_are_500_json_and_the_server_lives_on():
-    server = APIServer("127.0.0.1", 0, ServerDefaults(), [], max_connections=4, request_timeout=TIMEOUT)
-    server.provider = _BrokenProvider()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with in_process(_BrokenProvider(), max_connections=4) as server:
         connection = http.client.HTTPConnection(*server.server_address, timeout=30)
         for _ in range(2):  # the server, and a new connection, still work afterwards
             connection.request("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
@@ -468,6 +622,3 @@ def test_unexpected_handler_failures_are_500_json_and_the_server_lives_on():
             assert body["error"] == {"message": "internal server error: RuntimeError: an unforeseen bug",
                                      "type": "server_error", "param": None, "code": 500}
             connection.close()
-    finally:
-        server.shutdown()
-        server.server_close()
