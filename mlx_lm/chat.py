@@ -3,13 +3,18 @@
 Each line read from stdin is a user turn, answered as it streams; `q` (or `exit`) or
 the end of the input ends the chat, `r` starts a new one, `h` lists these commands.
 
-The prompt cache is kept from turn to turn. Each turn renders the whole conversation
-with the chat template and feeds only the tokens after those the cache already holds;
-where the rendering differs from what the cache holds (usually at the end of the last
-answer, which the template closes its own way, or where re-encoding its text splits
-it differently) the cache is trimmed back to the common prefix first. So every answer
-is the one a fresh run on the whole conversation gives (with --max-kv-size: up to what
-the window has dropped). A cache that may not trim back (recurrent layers outside
+The prompt cache is kept from turn to turn, and each turn feeds only its new tokens:
+the conversation is rendered with the chat template, and where that text continues the
+text of the tokens the cache holds (the last prompt, then the answer as generated),
+those tokens are kept and only the rest of the text is encoded. Where it does not (the
+model ended with an EOS token the template closes its own way, or the template rewrites
+earlier turns), the whole rendering is encoded and the cache is trimmed back to the
+common prefix. Either way the model sees tokens that decode to the rendering of the
+conversation, and each answer is the one a fresh run on those tokens gives (with
+--max-kv-size: up to what the window has dropped). An answer that starts with the text
+the template puts before an answer's content (a template without a generation prompt
+leaves that to the model) is recorded without it, so that the conversation renders as
+the model saw it. A cache that may not trim back (recurrent layers outside
 speculation, sliding windows) is also kept as it was at the end of each turn's prompt
 but its last token (a copy sharing its arrays until either is written, as the server
 keeps them: lru_prompt_cache); where the rendering differs, the next turn starts from
@@ -47,6 +52,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 3
 QUIT_COMMANDS = ("q", "exit")
 RESET_COMMAND = "r"
 HELP_COMMAND = "h"
+# Stands for an answer's content, to find the text the chat template puts before it.
+ANSWER_MARK = "<mlx_lm answer>"
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,8 +124,10 @@ class ChatSession:
     by the tokens they hold: after a turn, the one holding the conversation so far,
     and for a cache that may not trim (recurrent states, sliding windows) a copy at the
     end of the turn's prompt but its last token, where the next turn restarts if its
-    rendering of the answer differs from the tokens generated. `last_turn` tells how
-    the last turn's prompt was processed."""
+    rendering of the answer differs from the tokens generated. `held` is what the
+    conversation's cache holds (the last turn's prompt and answer tokens), which the next
+    turn keeps where it can (`render`). `last_turn` tells how the last turn's prompt was
+    processed."""
 
     def __init__(
         self,
@@ -144,6 +153,7 @@ class ChatSession:
         if self.system_prompt is not None:
             self.messages.append({"role": "system", "content": self.system_prompt})
         self.stored = LRUPromptCache(max_size=2)
+        self.held: List[int] = []
 
     def models(self) -> List[nn.Module]:
         """The models whose entries make up a cache: the target, then any draft."""
@@ -153,17 +163,39 @@ class ChatSession:
     def new_cache(self) -> List[Any]:
         return [c for m in self.models() for c in make_prompt_cache(m, self.max_kv_size)]
 
-    def render(self, messages: List[Dict[str, str]]) -> List[int]:
-        """Token ids of `messages` under the chat template, ready for the answer."""
+    def render(self, messages: List[Dict[str, str]]) -> Tuple[str, List[int]]:
+        """`messages` under the chat template, ready for the answer: (the text, its ids).
+        The ids start with `held` (or `held` but a final EOS) where the text continues
+        theirs, and always decode to the text."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ends_with_eos = bool(self.held) and self.held[-1] in self.tokenizer.eos_token_ids
+        for held in (self.held, self.held[:-1]) if ends_with_eos else (self.held,):
+            held_text = self.tokenizer.decode(held)
+            if held and text.startswith(held_text):
+                tokens = held + self.tokenizer.encode(text[len(held_text):], add_special_tokens=False)
+                # Encoding the rest alone may add to it (a SentencePiece leading space), and
+                # decoding turns bytes that are no UTF-8 (an answer cut inside a character)
+                # into U+FFFD, so a text holding one may stand for other bytes than it shows.
+                if self.tokenizer.decode(tokens) == text and "\ufffd" not in text:
+                    return text, tokens
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _answer_lead(self, messages: List[Dict[str, str]], prompt: str) -> str:
+        """The text the template puts between `prompt` (the rendering of `messages` with
+        the generation prompt) and an answer's content: "" when the generation prompt
+        ends where answers start, "\n" for one that joins the messages by newlines and
+        has no generation prompt."""
+        with_answer = messages + [{"role": "assistant", "content": ANSWER_MARK}]
+        before = self.tokenizer.apply_chat_template(with_answer, tokenize=False).partition(ANSWER_MARK)[0]
+        return before[len(prompt):] if before.startswith(prompt) else ""
 
     def reply(self, text: str) -> Generator[GenerationResponse, None, None]:
         """Answer the user turn `text`, one response per token (the last one carries the
         finish_reason). Closing the generator early keeps the answer so far. A turn that
         fails leaves the conversation as it was."""
         messages = self.messages + [{"role": "user", "content": text}]
-        tokens = self.render(messages)
+        prompt, tokens = self.render(messages)
+        lead = self._answer_lead(messages, prompt)
         tic = time.perf_counter()
         fetched = self.stored.fetch(tokens)
         # Only the copy holds its arrays now, so feeding it need not copy them first.
@@ -194,8 +226,10 @@ class ChatSession:
             raise
         finally:
             if clean_stop:
-                self.messages = messages + [{"role": "assistant", "content": answer}]
-                self.stored.insert(tokens + generated, prompt_cache)
+                content = answer[len(lead):] if lead and answer.startswith(lead) else answer
+                self.messages = messages + [{"role": "assistant", "content": content}]
+                self.held = tokens + generated
+                self.stored.insert(self.held, prompt_cache)
 
     def _store_prompt(self, tokens: List[int], remaining: List[int], prompt_cache: List[Any]) -> List[int]:
         """For a cache that may not trim back once the answer is in (anything but plain

@@ -1,6 +1,7 @@
-"""mlx_lm.chat: every answer is what a fresh run on the whole conversation gives, the
-cache is reused from turn to turn (only new tokens are fed), and a draft model changes
-nothing under greedy decoding."""
+"""mlx_lm.chat: every answer is what a fresh run on the whole conversation gives (on
+the tokens fed, which decode to its rendering and keep earlier answers as generated),
+the cache is reused from turn to turn (only new tokens are fed), and a draft model
+changes nothing under greedy decoding."""
 
 import io
 import os
@@ -13,8 +14,11 @@ import mlx.core as mx
 import pytest
 
 from checkpoints import TINY_CONFIGS, write_checkpoint
+from tokenizer_fixture import write_spm_style_tokenizer
 from mlx_lm import load, stream_generate
 from mlx_lm.chat import ChatSession, chat_loop, read_system_prompt
+from mlx_lm import tokenizer_utils
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 MAX_TOKENS = 10
 TURNS = ["hello there", "tell me about the library"]
@@ -126,6 +130,112 @@ def test_second_turn_feeds_only_new_tokens_and_answers_as_a_fresh_run(tiny_model
         session.reset()
         list(session.reply(TURNS[1]))
         assert session.last_turn.num_reused == 0 and len(session.messages) == 2
+
+
+class Forced:
+    """A logits processor that makes the model answer `tokens` (one per call, the last
+    one repeated)."""
+
+    def __init__(self, tokens):
+        self.tokens, self.calls = list(tokens), 0
+
+    def __call__(self, history, logits):
+        token = self.tokens[min(self.calls, len(self.tokens) - 1)]
+        self.calls += 1
+        return mx.where(mx.arange(logits.shape[-1]) == token, 1e4, logits)
+
+
+def fed_tokens(session, responses):
+    """The tokens the session fed for the turn that gave `responses` (cached ones too)."""
+    held = list(session.stored.keys()[-1])
+    return held[: len(held) - len(responses)]
+
+
+# Like the demo model's (examples/models/qwen3-next-stdlib): the messages joined by
+# newlines, and no generation prompt, so an answer follows a newline the prompt lacks.
+NEWLINE_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+
+
+def test_a_template_without_a_generation_prompt_reuses_the_whole_answer(hybrid_dir):
+    """The model starts its answer with the newline the template puts before an answer,
+    so that newline is the template's and not the answer's: recorded without it, the
+    conversation renders as the model saw it, and the next turn feeds only what follows
+    (a recurrent cache cannot trim). The generated tokens are kept though the answer's
+    text encodes otherwise."""
+    model, loaded = load(str(hybrid_dir))
+    tokenizer = TokenizerWrapper(loaded.tokenizer, chat_template=NEWLINE_TEMPLATE)
+    answer = "\nhello world"
+    forced = [t for c in answer for t in tokenizer.encode(c, add_special_tokens=False)]
+    assert forced != tokenizer.encode(answer, add_special_tokens=False)  # the kept tokens are not re-encoded
+    session = ChatSession(model, tokenizer, max_tokens=len(forced),
+                          generation_kwargs={"logits_processors": [Forced(forced)]})
+    assert "".join(r.text for r in session.reply(TURNS[0])) == answer
+    assert session.messages[-1] == {"role": "assistant", "content": answer[1:]}
+    held = list(session.stored.keys()[-1])
+    session.generation_kwargs.clear()
+    responses = list(session.reply(TURNS[1]))
+    new = tokenizer.encode("\n" + TURNS[1], add_special_tokens=False)
+    assert (session.last_turn.num_reused, session.last_turn.num_fed) == (len(held), len(new))
+    fed = fed_tokens(session, responses)
+    assert fed == held + new
+    assert tokenizer.decode(fed) == tokenizer.apply_chat_template(session.messages[:-1], tokenize=False)
+    assert "".join(r.text for r in responses) == "".join(
+        r.text for r in stream_generate(model, tokenizer, fed, max_tokens=len(forced)))
+
+
+def test_held_tokens_are_kept_only_where_they_decode_to_the_rendering(tmp_path, tiny_model_dir):
+    """Not where encoding the rest on its own adds to it (SentencePiece's leading space),
+    nor where the held text shows U+FFFD for bytes that are no UTF-8 (an answer cut
+    inside a character): the whole rendering is encoded then."""
+    model, bpe = load(str(tiny_model_dir))
+    write_spm_style_tokenizer(tmp_path)
+    spm = tokenizer_utils.load(tmp_path)
+    cases = [(bpe, "hello", None, True), (spm, "hello", None, False),
+             (bpe, "\ufffd", [bpe.convert_tokens_to_ids("\u00c3")], False)]  # byte 0xC3 alone
+    for loaded, first, held, keeps in cases:
+        tokenizer = TokenizerWrapper(loaded.tokenizer, chat_template=NEWLINE_TEMPLATE)
+        session = ChatSession(model, tokenizer)
+        session.held = held or tokenizer.encode(first, add_special_tokens=False)
+        assert tokenizer.decode(session.held) == first
+        text, tokens = session.render([{"role": "user", "content": first}, {"role": "user", "content": "world"}])
+        assert text == f"{first}\nworld"
+        kept = session.held + tokenizer.encode("\nworld", add_special_tokens=False)
+        assert tokens == (kept if keeps else tokenizer.encode(text, add_special_tokens=False)), first
+    assert spm.decode(spm.encode("hello", add_special_tokens=False) + spm.encode("\nworld", add_special_tokens=False)) \
+        == "hello \nworld"  # why the SentencePiece case encodes it all
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("ends_with_eos", [False, True], ids=["length", "eos"])
+def test_the_next_turn_keeps_the_answer_as_generated(family, ends_with_eos, tiny_model_dir, hybrid_dir):
+    """Turn 1's answer is spelled a character a token, which its text does not encode to.
+    Turn 2 keeps those tokens and feeds only the template's text after them: all of turn
+    1 is reused. Only an EOS token the template renders otherwise (<|endoftext|> where
+    ChatML closes with <|im_end|>) is dropped: trimmed from a KV cache, while a recurrent
+    one restarts from its copy at turn 1's prompt. Either way the tokens fed decode to
+    the rendering, and the answer is a fresh run's on them."""
+    model, tokenizer = load(str(tiny_model_dir if family == "qwen3" else hybrid_dir))
+    answer = "hello world"
+    spelled = [t for c in answer for t in tokenizer.encode(c, add_special_tokens=False)]
+    assert spelled != tokenizer.encode(answer, add_special_tokens=False)
+    forced = spelled + [EOS] if ends_with_eos else spelled
+    session = ChatSession(model, tokenizer, max_tokens=len(spelled) + 1,
+                          generation_kwargs={"logits_processors": [Forced(forced)]})
+    first = list(session.reply(TURNS[0]))
+    assert [r.token for r in first] == forced + [forced[-1]] * (len(spelled) + 1 - len(forced))
+    prompt = fed_tokens(session, first)
+    held = list(session.stored.keys()[-1])
+    session.generation_kwargs.clear()
+    responses = list(session.reply(TURNS[1]))
+    fed = fed_tokens(session, responses)
+    kept = held[:-1] if ends_with_eos else held
+    assert fed[: len(kept)] == kept
+    reused = len(prompt) - 1 if ends_with_eos and family == "qwen3_next" else len(kept)
+    assert (session.last_turn.num_reused, session.last_turn.num_fed) == (reused, len(fed) - reused)
+    assert tokenizer.decode(fed) == tokenizer.apply_chat_template(session.messages[:-1], tokenize=False,
+                                                                  add_generation_prompt=True)
+    assert "".join(r.text for r in responses) == "".join(
+        r.text for r in stream_generate(model, tokenizer, fed, max_tokens=len(spelled) + 1))
 
 
 def force_eos(tokens, logits):
