@@ -23,8 +23,8 @@ own prompt and output (at most its num_draft_tokens, and as many as the batch's
 draft-length policy, draft_length.BatchDraftLengthPolicy, finds fastest: K = 0 is a plain
 step, pipelined, which the drafter sits out), one forward verifies every row's
 token and drafts (padded to the longest), each row accepts by its own rule (greedy:
-the agreeing prefix; a CategoricalSampler: speculative sampling with point-mass drafts,
-so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
+the agreeing prefix of the argmax; sampling: the agreeing prefix of its own draws, which
+for point-mass drafts is speculative sampling, so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
 columns become holes, recurrent states are replayed from the layers' records). Rows
 with logits processors decode plainly in the same forward. With a drafter on the
 device, a round is queued (its drafts and verify computing) as soon as the previous
@@ -46,7 +46,7 @@ import mlx.nn as nn
 
 from .batch_drafters import BatchDraftModel, BatchMTPHead
 from .draft_length import AcceptanceEstimate, BatchDraftLengthPolicy
-from .drafters import PromptLookup, point_masses, speculative_sample
+from .drafters import PromptLookup
 from .models.batch_cache import (
     bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
@@ -156,7 +156,7 @@ class _Sequence:
     history: Optional[mx.array] = None  # what processors see: the prompt, then each token fed
     num_in_cache: int = 0  # tokens its cache holds (of what it was given to feed)
     num_generated: int = 0
-    num_sampled: int = 0
+    num_sampled: int = 0  # generated tokens drawn (the index of the next draw)
     first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
     draft_pending: Any = None  # what its drafter keeps for it until it joins (an MTP head: a pair)
     lookup: Optional[PromptLookup] = None  # its drafter, when it speculates
@@ -164,7 +164,6 @@ class _Sequence:
     speculates: bool = False  # drafts and verifies (rows with processors decode plainly)
     speculation: Optional[RowSpeculation] = None  # its counts, when it speculates
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its drafts (policy.new_row)
-    fixed_length: bool = False  # drafts its cap every round (a seeded sample replays only so)
 
 
 GREEDY = make_sampler()  # rows with this sampler speculate by token matching
@@ -189,10 +188,11 @@ def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
     return n
 
 
-def _seeded_key(seed: int, step: int) -> int:
-    """The global seed a seeded row sets before its step-th draw: a function of the
-    request's seed and the step only, so its samples do not depend on its batch."""
-    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (1 << 64)
+def seeded_key(seed: int, index: int) -> mx.array:
+    """The PRNG key a seeded row draws its index-th generated token with: a function
+    of the seed and the index only, so the row's tokens do not depend on its batch,
+    its drafts or how many tokens a round gave (and the global state is left alone)."""
+    return mx.random.key((seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 64))
 
 
 class BatchGenerator:
@@ -209,8 +209,10 @@ class BatchGenerator:
     a multi-token-prediction head), rows speculate (module docstring); with a draft
     model or MTP a cache list holds the target's entries, then the drafter's (given to
     `insert`, returned by `remove` and in responses). With
-    `fixed_draft_length` every speculating row drafts its cap each round, as a row
-    with a seed and a sampler other than greedy always does (so its draws replay).
+    `fixed_draft_length` every speculating row drafts its cap each round. A seeded
+    row (a sampler from make_sampler) draws its t-th token with its own key
+    (seeded_key(seed, t)): its tokens depend on nothing else, not the batch, the
+    drafts or max_tokens, and the global mx.random state is left alone.
     """
 
     def __init__(
@@ -309,9 +311,12 @@ class BatchGenerator:
         def pick(values, i):
             return None if values is None else values[i]
 
+        def cap(i):
+            value = pick(num_draft_tokens, i)
+            return self.num_draft_tokens if value is None else value
+
         sequences = [self._sequence(prompts[i], max_tokens[i], pick(caches, i), pick(cached_tokens, i) or (),
-                                    pick(samplers, i), pick(logits_processors, i), pick(seeds, i),
-                                    pick(num_draft_tokens, i) or self.num_draft_tokens)
+                                    pick(samplers, i), pick(logits_processors, i), pick(seeds, i), cap(i))
                      for i in range(n)]
         self._queued.extend(sequences)
         return [s.uid for s in sequences]
@@ -325,6 +330,10 @@ class BatchGenerator:
             raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
+        sampler = sampler or self.sampler
+        if seed is not None and sampler is not GREEDY and not isinstance(sampler, CategoricalSampler):
+            raise ValueError(f"a seed needs a sampler from make_sampler, which draws with the row's own keys; "
+                             f"got {sampler!r}")
         if cache is None:
             cache = make_prompt_cache(self.model) + (self._drafter.make_cache() if self._drafter else [])
         elif len(cache) != self._num_target + self._num_draft:
@@ -334,11 +343,11 @@ class BatchGenerator:
                              f"entries{draft}")
         processors = self.logits_processors if processors is None else list(processors)
         seen = list(cached_tokens) + list(prompt)
-        sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler or self.sampler, processors, seed,
+        sequence = _Sequence(self._next_uid, tokens, cache, max_tokens, sampler, processors,
+                             None if sampler is GREEDY else seed,
                              total=tokens.size, history=mx.array(seen, dtype=mx.uint32) if processors else None,
                              num_draft_tokens=num_draft_tokens)
         sequence.speculates = self.speculating and not processors
-        sequence.fixed_length = seed is not None and (sampler or self.sampler) is not GREEDY
         sequence.acceptance = self._policy.new_row()
         sequence.speculation = RowSpeculation() if sequence.speculates else None
         if self.prompt_lookup and not processors:
@@ -535,19 +544,18 @@ class BatchGenerator:
         return drafts
 
     def _rooms(self) -> List[int]:
-        """How many drafts each row may verify this round: a fixed-length row its cap,
-        the others the batch policy's K (within their caps); 0 if it does not
-        speculate. Which rounds draft how much never changes what a row emits
-        (greedy) or its law (sampling)."""
+        """How many drafts each row may verify this round: the batch policy's K
+        (all of its cap with fixed_draft_length) within its cap; 0 if it does not
+        speculate. Which rounds draft how much never changes what a row emits."""
         caps = []
         for i, s in enumerate(self._active):
             cap = s.num_draft_tokens if s.speculates else 0
             if s.max_tokens != -1:
                 cap = min(cap, s.max_tokens - s.num_generated - self._emit[i])
             caps.append(max(cap, 0))
-        following = [(s.acceptance.value, cap) for s, cap in zip(self._active, caps) if cap and not s.fixed_length]
+        following = [(s.acceptance.value, cap) for s, cap in zip(self._active, caps) if cap]
         k = self._policy.choose(len(self._active), following)
-        return [cap if s.fixed_length else min(cap, k) for s, cap in zip(self._active, caps)]
+        return [min(cap, k) for cap in caps]
 
     def _time_last_round(self) -> None:
         """The policy learns the last step's seconds, from its top to this one's, if
@@ -657,9 +665,8 @@ class BatchGenerator:
     def _decide(self, i: int, s: _Sequence, drafts: List[int], logits: mx.array, logprobs: mx.array,
                 greedy: List[int]) -> Tuple[int, mx.array, mx.array]:
         """Row i's accepted drafts, the token after them (1,) and its logprobs (V,):
-        greedy rows keep the drafts the argmax agrees with; sampling rows speculative
-        sampling (a CategoricalSampler; a draft is a point mass) or token matching (any
-        other sampler); rows with processors do not speculate (a plain step)."""
+        greedy rows keep the drafts the argmax agrees with, sampling rows those their
+        own draws agree with; rows with processors do not speculate (a plain step)."""
         if not s.speculates:
             if s.history is not None and self._emit[i]:
                 s.history = mx.concatenate([s.history, self._tokens[i : i + 1]])
@@ -668,21 +675,14 @@ class BatchGenerator:
         if s.sampler is GREEDY:
             num_accepted = accepted_prefix(drafts, greedy)
             return num_accepted, mx.array([greedy[num_accepted]], dtype=mx.uint32), logprobs[i, num_accepted]
-        row = logprobs[i, : len(drafts) + 1]  # (k + 1, V)
-        if s.seed is not None:
-            mx.random.seed(_seeded_key(s.seed, s.num_sampled))
-        s.num_sampled += 1
-        ids = mx.array(drafts, dtype=mx.uint32)
-        if not drafts:
-            num_accepted, token = 0, s.sampler(row)
-        elif isinstance(s.sampler, CategoricalSampler):
-            accepted, token = speculative_sample(s.sampler.distribution(row), point_masses(ids, row.shape[-1]), ids)
-            num_accepted, token = accepted.item(), token[None]
-        else:
-            targets = s.sampler(row).tolist()
-            num_accepted = accepted_prefix(drafts, targets)
-            token = mx.array([targets[num_accepted]], dtype=mx.uint32)
-        return num_accepted, token, logprobs[i, num_accepted]
+        # The row's own draw at each position (k + 1 of them), its drafts accepted while
+        # they equal them. For a point-mass draft x this is speculative sampling: x is
+        # accepted with probability p(x), else the token is a draw from p without x,
+        # norm(max(0, p - q)); and the row's tokens are its draws, whatever it drafted.
+        targets = self._draws(s, logprobs[i, : len(drafts) + 1]).tolist()
+        num_accepted = accepted_prefix(drafts, targets)
+        s.num_sampled += num_accepted + 1
+        return num_accepted, mx.array([targets[num_accepted]], dtype=mx.uint32), logprobs[i, num_accepted]
 
     def _commit(self, i: int, s: _Sequence, fed: int, accepted: List[int], logprobs: mx.array,
                 responses: List[Response]) -> Tuple[int, bool]:
@@ -724,16 +724,25 @@ class BatchGenerator:
         drawn = [self._sample_row(s, logits[i : i + 1]) for i, s in enumerate(rows)]
         return mx.concatenate([t for t, _ in drawn]), mx.concatenate([lp for _, lp in drawn])
 
-    @staticmethod
-    def _sample_row(s: _Sequence, logits: mx.array) -> Tuple[mx.array, mx.array]:
+    @classmethod
+    def _sample_row(cls, s: _Sequence, logits: mx.array) -> Tuple[mx.array, mx.array]:
         """(1, V) logits of one row -> (1,) token and (1, V) logprobs."""
         for processor in s.processors:
             logits = processor(s.history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if s.seed is not None:
-            mx.random.seed(_seeded_key(s.seed, s.num_sampled))
+        token = cls._draws(s, logprobs)
         s.num_sampled += 1
-        return s.sampler(logprobs), logprobs
+        return token, logprobs
+
+    @staticmethod
+    def _draws(s: _Sequence, logprobs: mx.array) -> mx.array:
+        """(n, V) logprobs of the row's next n generated tokens -> (n,) its draws: a
+        seeded row's j-th with seeded_key(seed, num_sampled + j), the others' from
+        the global state."""
+        if s.seed is None:
+            return s.sampler(logprobs)
+        return mx.concatenate([s.sampler(logprobs[j : j + 1], key=seeded_key(s.seed, s.num_sampled + j))
+                               for j in range(logprobs.shape[0])])
 
     # ------------------------------------------------------------------ removal
 

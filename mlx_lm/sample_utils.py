@@ -134,6 +134,7 @@ def apply_xtc(
     xtc_probability: float,
     xtc_threshold: float,
     xtc_special_tokens: Sequence[int],
+    key: Optional[mx.array] = None,
 ) -> mx.array:
     """Exclude top choices: drop the likely tokens except the least likely of them.
 
@@ -150,26 +151,28 @@ def apply_xtc(
         xtc_probability: chance in [0, 1] that the filter applies to a row.
         xtc_threshold: probability threshold in [0, 0.5].
         xtc_special_tokens: token ids that are never removed.
+        key: PRNG key of the per-row draws; default the global ``mx.random`` state.
 
     Returns:
         (B, V) ``logits`` with the excluded tokens set to -inf.
     """
     remove = xtc_exclusion(logits, xtc_threshold, xtc_special_tokens)
-    applies = mx.random.uniform(shape=(logits.shape[0], 1)) < xtc_probability
+    applies = mx.random.uniform(shape=(logits.shape[0], 1), key=key) < xtc_probability
     return mx.where(applies & remove, -mx.inf, logits)
 
 
-def categorical_sampling(logits: mx.array, temp: float) -> mx.array:
+def categorical_sampling(logits: mx.array, temp: float, key: Optional[mx.array] = None) -> mx.array:
     """Sample one token per row from ``softmax(logits / temp)``.
 
     Args:
         logits: (B, V) logits or log-probabilities; -inf entries are never drawn.
         temp: temperature > 0.
+        key: PRNG key; default the global ``mx.random`` state.
 
     Returns:
         (B,) uint32 token ids.
     """
-    return mx.random.categorical(logits * (1 / temp))
+    return mx.random.categorical(logits * (1 / temp), key=key)
 
 
 def _kth_largest(values: mx.array, k: int) -> mx.array:
@@ -252,15 +255,17 @@ class CategoricalSampler:
         # special ids) or None; trailing: the filters after XTC.
         self.temp, self.leading, self.xtc, self.trailing = temp, tuple(leading), xtc, tuple(trailing)
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        """(B, V) -> (B,) uint32 token ids, one draw per row."""
+    def __call__(self, logprobs: mx.array, key: Optional[mx.array] = None) -> mx.array:
+        """(B, V) -> (B,) uint32 token ids, one draw per row; with `key` (a PRNG key)
+        the draws are a function of it alone, else of the global ``mx.random`` state."""
+        xtc_key, draw_key = mx.random.split(key) if key is not None else (None, None)
         for apply_filter in self.leading:
             logprobs = apply_filter(logprobs)
         if self.xtc is not None:
-            logprobs = apply_xtc(logprobs, *self.xtc)
+            logprobs = apply_xtc(logprobs, *self.xtc, key=xtc_key)
         for apply_filter in self.trailing:
             logprobs = apply_filter(logprobs)
-        return categorical_sampling(logprobs, self.temp)
+        return categorical_sampling(logprobs, self.temp, key=draw_key)
 
     def distribution(self, logprobs: mx.array) -> mx.array:
         """(B, V) log-probabilities -> (B, V) normalised float32 log-probabilities
@@ -305,7 +310,8 @@ def make_sampler(
     followed by categorical sampling of ``logprobs / temp``; the result is a
     :class:`CategoricalSampler`, whose ``distribution`` gives that law.
     Randomness comes from the global ``mx.random`` state, so
-    ``mx.random.seed`` makes it reproducible.
+    ``mx.random.seed`` makes it reproducible, or from a PRNG key passed with
+    the call (``sampler(logprobs, key=key)``).
 
     Raises:
         ValueError: an argument is out of range (the message names it).

@@ -40,6 +40,7 @@ request, so there is none. Reuse is exact: identical greedy requests give identi
 outputs, with or without a draft model.
 """
 
+import contextlib
 import logging
 import os
 import queue
@@ -370,6 +371,22 @@ class _Cancelled(Exception):
         self.num_fed, self.total = num_fed, total
 
 
+@contextlib.contextmanager
+def _seeded(seed: Optional[int]):
+    """The global generator seeded with `seed` inside (nothing changes for None);
+    afterwards it goes on from a draw made before, so later unseeded requests are not
+    fixed by this seed (and ranks that agree on the state still agree)."""
+    if seed is None:
+        yield
+        return
+    resume = int(mx.random.randint(0, 2**31 - 1, ()).item())
+    mx.random.seed(seed % (1 << 64))
+    try:
+        yield
+    finally:
+        mx.random.seed(resume)
+
+
 class GenerationWorker:
     """Runs jobs one at a time (call `run_forever` on its own thread)."""
 
@@ -412,7 +429,8 @@ class GenerationWorker:
             log.info("Client disconnected while queued; request dropped")
             return
         try:
-            job.events.put(("done", self.generate(job)))
+            with _seeded(job.request.seed):
+                job.events.put(("done", self.generate(job)))
         except RequestError as e:
             job.events.put(("error", e.status, e.message))
         except _Cancelled as e:
@@ -453,8 +471,6 @@ class GenerationWorker:
         tokens = job.tokens if job.tokens is not None else served.encode(request)
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
-        if request.seed is not None:
-            mx.random.seed(request.seed % (1 << 64))
         fetched = served.prompt_cache.fetch(tokens)
         prompt_cache = fetched.prompt_cache or served.make_cache()
         # Prefilled here, not by stream_generate, whose draft prefill cannot be cancelled.
@@ -570,11 +586,12 @@ class BatchWorker(GenerationWorker):
     --draft-model (recurrent ones too) or --mtp, requests without penalties
     speculate inside the batch (each row drafts, at most its num_draft_tokens a round:
     as many as the batch's draft-length policy finds fastest, or all of them with
-    --fixed-draft-length or a seed; one forward verifies all rows, each keeps its own
+    --fixed-draft-length; one forward verifies all rows, each keeps its own
     accepted prefix).
 
     Per request, as the one-at-a-time worker does: its own sampler, penalties and seed
-    (a seeded sample does not depend on what else is in the batch), stop strings,
+    (a seeded sample depends on nothing else: not the batch, what ran before, the
+    drafts, or max_tokens, which only cuts it), stop strings,
     streaming, logprobs, and the prompt cache: fetched before it joins, stored after
     prefill (under prompt[:-1], for caches that may not trim) and when it ends, under
     exactly the tokens its cache holds. A cancelled request leaves the batch at the

@@ -189,6 +189,36 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert alone == sample(True) and len(set(alone)) > 1
 
 
+def test_a_seeded_row_draws_with_its_own_keys():
+    """A seeded row's t-th token is drawn with a key of its seed and t: the same tokens
+    alone, beside others, plain or speculating (any draft length), and a prefix of
+    them with a smaller max_tokens; the global mx.random state is left alone (it used
+    to be reseeded, which fixed every unseeded row drawn after it)."""
+    model, draft = tiny_model("qwen3"), perturbed("qwen3")
+    sampler = make_sampler(temp=1.0, top_p=0.95)
+    p = prompt(5, 3)
+
+    def sample(max_tokens, others=(), **kwargs):
+        generator = BatchGenerator(model, sampler=sampler, **kwargs)
+        uid = generator.insert([p, *others], max_tokens=[max_tokens] + [12] * len(others),
+                               seeds=[17] + [None] * len(others))[0]
+        return run(generator)[uid]
+
+    alone = sample(12)
+    assert len(set(alone)) > 1
+    for kwargs in ({}, {"draft_model": draft}, {"draft_model": draft, "fixed_draft_length": True},
+                   {"prompt_lookup": True}):
+        assert sample(12, [prompt(4, 8), prompt(9, 9)], **kwargs) == alone, kwargs
+        assert sample(3, **kwargs) == alone[:3], kwargs
+    mx.random.seed(5)
+    expected = mx.random.uniform().item()
+    mx.random.seed(5)
+    sample(12, draft_model=draft)
+    assert mx.random.uniform().item() == expected
+    with pytest.raises(ValueError, match="a seed needs a sampler from make_sampler"):
+        BatchGenerator(model, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)).insert([p], seeds=[1])
+
+
 def test_batch_kv_cache_layout_and_mask():
     rows = []
     for n in (3, 5):
@@ -391,7 +421,8 @@ def test_speculative_sampling_in_the_batch_keeps_the_law(drafted, monkeypatch):
     ranked = mx.argsort(-law).tolist()
     draft = ranked[0] if drafted == "likely" else ranked[-1]
     monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(draft))
-    generator = BatchGenerator(model, max_tokens=1, sampler=make_sampler(temp=1.0), prompt_lookup=True)
+    generator = BatchGenerator(model, max_tokens=1, sampler=make_sampler(temp=1.0), prompt_lookup=True,
+                               fixed_draft_length=True)
     num_samples = 400
     firsts = [t[0] for t in generate_all(generator, [p] * num_samples, 1, seeds=list(range(num_samples)))[0]]
     assert generator.stats().draft_tokens == num_samples

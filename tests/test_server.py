@@ -168,7 +168,7 @@ def test_stop_strings(server):
     stop = full[4:6]
     expected = full[: full.index(stop)]
     response = chat(server, messages, stop=[stop, "never appears"])
-    assert response.choices[0].message.content == (expected or None)
+    assert response.choices[0].message.content == expected
     assert response.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].delta.content or "" for c in chat(server, messages, stop=stop, stream=True))
     assert streamed == expected
@@ -411,6 +411,17 @@ def test_worker_stores_caches_under_exactly_the_tokens_they_hold(model_dirs, tar
     # A seeded sampled request repeats exactly, cache or not.
     sampled = {"messages": user("Sample me."), "temperature": 1.0, "seed": 3}
     assert run_job(worker, sampled).text == run_job(worker, sampled).text
+    # ... and does not fix what is drawn after it: that follows the state before it.
+    after = []
+    for _ in range(2):
+        mx.random.seed(5)
+        run_job(worker, sampled)
+        after.append(mx.random.uniform().item())
+    mx.random.seed(3)
+    assert after[0] == after[1] and after[0] != mx.random.uniform().item()
+    mx.random.seed(6)
+    run_job(worker, sampled)
+    assert mx.random.uniform().item() != after[0]
 
 
 def test_chat_template_override_and_cli_defaults(model_dirs):

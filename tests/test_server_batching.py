@@ -377,3 +377,26 @@ def test_a_started_worker_says_whether_it_runs(model_dirs, monkeypatch):
     worker.start()
     worker._thread.join(timeout=30)
     assert not worker.alive
+
+
+def test_a_seeded_sample_depends_on_nothing_else():
+    """The same seed and prompt give the same text fresh, after a request that ended
+    on a stop at its first token, beside other requests (seeded or not), and cut short
+    by a smaller max_tokens; an unseeded request is not fixed by a seeded one."""
+    worker = demo_worker("draft")
+    worker.provider.default.prompt_cache = type(worker.provider.default.prompt_cache)(10)
+    seeded = {"prompt": "def fibonacci(n):", "temperature": 0.9, "seed": 3, "max_tokens": 12}
+    alone = result(drive(worker, [seeded], kind="text")[0]).text
+    stopped = result(drive(worker, [{"prompt": "def fibonacci(n):", "max_tokens": 12, "stop": ["\n", " "]}],
+                           kind="text")[0])
+    assert stopped.completion_tokens <= 2
+    crowd = [{"prompt": "import os", "temperature": 0.9}, seeded, {"prompt": "class A:", "seed": 8, "temperature": 1}]
+    again = drive(worker, crowd, kind="text")
+    assert result(again[1]).text == alone and len(alone) > 10
+    short = result(drive(worker, [dict(seeded, max_tokens=2)], kind="text")[0]).text
+    assert alone.startswith(short) and short
+    mx.random.seed(5)
+    expected = mx.random.uniform().item()
+    mx.random.seed(5)
+    drive(worker, [seeded], kind="text")
+    assert mx.random.uniform().item() == expected
