@@ -432,6 +432,16 @@ def test_speculative_sampling_in_the_batch_keeps_the_law(drafted, monkeypatch):
         assert abs(frequency - q) < 4 * (q * (1 - q) / num_samples) ** 0.5 + 1e-3, (token, frequency, q)
 
 
+def test_insert_checks_each_draft_cap():
+    generator = BatchGenerator(tiny_model("qwen3"), prompt_lookup=True, num_draft_tokens=3)
+    for bad in (0, -2):  # 0 used to become the default cap
+        with pytest.raises(ValueError, match=f"num_draft_tokens must be at least 1, got {bad}"):
+            generator.insert([prompt(4, 1)], num_draft_tokens=[bad])
+    assert len(generator) == 0
+    generator.insert([prompt(4, 1)], num_draft_tokens=[None])  # None: the generator's cap
+    assert generator._queued[0].num_draft_tokens == 3
+
+
 def test_prompt_lookup_needs_layers_that_record():
     class Plain(type(tiny_model("qwen3_next"))):
         supports_speculative_rollback = False
