@@ -46,7 +46,7 @@ import mlx.nn as nn
 
 from .batch_drafters import BatchDraftModel, BatchMTPHead
 from .draft_length import AcceptanceEstimate, BatchDraftLengthPolicy
-from .drafters import PromptLookup
+from .drafters import DEFAULT_PREFILL_STEP_SIZE, PromptLookup
 from .models.batch_cache import (
     bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
@@ -224,7 +224,7 @@ class BatchGenerator:
         sampler: Optional[Sampler] = None,
         logits_processors: Optional[List[Processor]] = None,
         completion_batch_size: int = 32,
-        prefill_step_size: int = 2048,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         return_prompt_caches: bool = False,
         prompt_lookup: bool = False,
         num_draft_tokens: int = 3,

@@ -41,6 +41,7 @@ from .cli_args import (
     positive_int,
     prompt_text,
 )
+from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .models.cache import (
     can_trim_prompt_cache,
     check_kv_quantization,
@@ -51,8 +52,6 @@ from .models.cache import (
     trim_prompt_cache,
 )
 from .tokenizer_utils import TokenizerWrapper
-
-PREFILL_STEP_SIZE = 2048
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -83,7 +82,7 @@ def format_cached_prompt(
 
 def fill_cache(
     model: nn.Module, tokens: List[int], prompt_cache: List[Any], quantize_kv: Callable[[List[Any]], None],
-    step_size: int = PREFILL_STEP_SIZE,
+    step_size: int = DEFAULT_PREFILL_STEP_SIZE,
 ) -> None:
     """Feed every token through the model into `prompt_cache`, in chunks."""
     for start in range(0, len(tokens), step_size):

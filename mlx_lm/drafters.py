@@ -86,6 +86,11 @@ def kv_quantizer(
     )
 
 
+# Prompt tokens per prefill forward, for every loop (plain, speculative, batched, the
+# server's): one chunking, so a prompt gives the same caches, bit for bit, in each.
+DEFAULT_PREFILL_STEP_SIZE = 2048
+
+
 @on_generation_stream
 def prefill(
     model: nn.Module,

@@ -26,6 +26,7 @@ from .cli_args import (
 )
 from .batching import BatchGenerator, BatchResponse, BatchStats, batch_generate  # noqa: F401  (upstream's home)
 from .drafters import (
+    DEFAULT_PREFILL_STEP_SIZE,
     PromptLookup,
     check_generation_args,
     check_mtp_head,
@@ -142,7 +143,7 @@ def generate_step(
     logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
     max_kv_size: Optional[int] = None,
     prompt_cache: Optional[List[Any]] = None,
-    prefill_step_size: int = 2048,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,

@@ -70,6 +70,7 @@ from .openai_api import (
     parse_request,
 )
 from .utils import compute_dtype, parameter_dtypes
+from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .serving import (
     PROMPT_CACHE_MEMORY_FRACTION,
     BatchWorker,
@@ -626,7 +627,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                              f"(default: {PROMPT_CACHE_MEMORY_FRACTION * 100:.0f}%% of the memory free after loading)")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                         help="Refuse longer prompts (default: the model's context, max_position_embeddings)")
-    parser.add_argument("--prefill-step-size", type=positive_int, default=2048, help="Prompt tokens per prefill forward")
+    parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP_SIZE,
+                        help="Prompt tokens per prefill forward")
     parser.add_argument("--max-batch-size", type=positive_int, default=8,
                         help="Requests decoded together (continuous batching; with --prompt-lookup or a "
                              "--draft-model or --mtp they speculate inside the batch; 1: one at a time). "

@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional
 import mlx.core as mx
 
 from .batching import BatchGenerator, PromptProgress, Response, RowSpeculation
-from .drafters import MTPHead, PromptLookup, check_mtp_head, ids_within, prefill
+from .drafters import DEFAULT_PREFILL_STEP_SIZE, MTPHead, PromptLookup, check_mtp_head, ids_within, prefill
 from .generate import GenerationResponse, SpeculationStats, check_same_tokenizer, stream_generate
 from .speculative import check_can_speculate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
@@ -390,7 +390,8 @@ def _seeded(seed: Optional[int]):
 class GenerationWorker:
     """Runs jobs one at a time (call `run_forever` on its own thread)."""
 
-    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, default_num_draft_tokens: int = 3,
+    def __init__(self, provider: ModelProvider, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+                 default_num_draft_tokens: int = 3,
                  fixed_draft_length: bool = False, prompt_lookup: bool = False, max_ngram_size: int = 3):
         self.provider = provider
         self.prefill_step_size = prefill_step_size
@@ -597,7 +598,8 @@ class BatchWorker(GenerationWorker):
     exactly the tokens its cache holds. A cancelled request leaves the batch at the
     next step; the others go on undisturbed."""
 
-    def __init__(self, provider: ModelProvider, prefill_step_size: int = 2048, max_batch_size: int = 8,
+    def __init__(self, provider: ModelProvider, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+                 max_batch_size: int = 8,
                  default_num_draft_tokens: int = 3, prompt_lookup: bool = False, max_ngram_size: int = 3,
                  fixed_draft_length: bool = False):
         super().__init__(provider, prefill_step_size, default_num_draft_tokens, fixed_draft_length, prompt_lookup,

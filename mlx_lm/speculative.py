@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from .draft_length import DraftLengthPolicy
 from .drafters import (
+    DEFAULT_PREFILL_STEP_SIZE,
     CachedModel,
     DraftModel,
     Drafter,
@@ -316,7 +317,7 @@ def speculative_generate_step(
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
     logits_processors: Optional[Processors] = None,
     prompt_cache: Optional[List[Any]] = None,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,

@@ -624,3 +624,21 @@ def test_the_last_round_drafts_the_tokens_left_as_upstream_does():
     assert [d for _, _, d in out] == [True, True, True, False, True, True, True, False, True, True]
     assert [t for t, _, _ in out] == plain(target, num_tokens=10)
     assert {c.offset for c in cache} == {PROMPT.size + 10}
+
+
+def test_speculation_prefills_in_the_chunks_plain_decoding_does(monkeypatch):
+    """Over 512 prompt tokens, with the defaults: the target gets the same forwards
+    as in plain decoding (both prefill in DEFAULT_PREFILL_STEP_SIZE chunks; the
+    speculative loop used 512, so its caches rounded otherwise), and the first
+    token's logprobs are bit for bit plain decoding's."""
+    target = model("qwen3_next_tf5")
+    prompt = mx.array([(i * 53 + 7) % 256 for i in range(700)])
+    calls = []
+    forward = type(target).__call__
+    monkeypatch.setattr(type(target), "__call__", lambda self, inputs, *a, **k: (
+        calls.append(inputs.shape[1]), forward(self, inputs, *a, **k))[1])
+    _, plain_logprobs = next(generate_step(prompt, target))
+    plain_calls, calls[:] = calls[:], []
+    _, spec_logprobs, _ = next(speculative_generate_step(prompt, target, prompt_lookup=True))
+    assert calls[0] == plain_calls[0] == 699  # the whole prompt but its last token, in one chunk
+    assert mx.array_equal(plain_logprobs, spec_logprobs)
