@@ -295,6 +295,9 @@ class APIServer(ThreadingHTTPServer):
             sock.close()
 
 
+WORKER_STOPPED = "the generation worker stopped (see the server's log): this server answers no more requests; restart it"
+
+
 class _ClientGone(Exception):
     pass
 
@@ -480,6 +483,8 @@ class APIHandler(BaseHTTPRequestHandler):
         provider = self.server.provider
         model = {"id": provider.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx_lm"}
         if path == "/health":
+            if not self.server.worker.alive:
+                raise RequestError(503, WORKER_STOPPED)
             self._send_json(200, {"status": "ok"})
         elif path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [model]})
@@ -517,6 +522,8 @@ class APIHandler(BaseHTTPRequestHandler):
             except queue.Empty:
                 if self._client_gone():
                     raise _ClientGone() from None
+                if not self.server.worker.alive:  # it would never answer
+                    return ("error", 503, WORKER_STOPPED)
 
     def _client_gone(self) -> bool:
         """A reset connection is gone. End of input alone is not: a client may half-close
@@ -733,7 +740,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             sys.exit(f"Error: {e}")
     else:
         server.worker = distributed_serving.make_worker(group, server.provider, args)
-    threading.Thread(target=server.worker.run_forever, name="generation", daemon=True).start()
+    server.worker.start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s: the server has no authentication; anyone who can reach it can use it", args.host)
     log.info("Serving %s%s on %s", args.model, f" with draft {args.draft_model}" if args.draft_model else "",

@@ -26,6 +26,7 @@ from server_harness import write_server_models, start_server
 from mlx_lm.generate import generate
 from mlx_lm.openai_api import RequestError, ServerDefaults
 from mlx_lm.server import APIServer, setup_arg_parser
+from mlx_lm.serving import Job
 from mlx_lm.utils import load
 
 MAX_TOKENS = 8
@@ -359,11 +360,21 @@ class _HeldProvider:
         raise RequestError(400, "released")
 
 
+class _Worker:
+    """Takes jobs and never answers them; `alive` as given."""
+
+    def __init__(self, alive=True):
+        self.alive, self.jobs = alive, []
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+
 @contextlib.contextmanager
-def in_process(provider, max_connections):
-    """An APIServer in this process, serving `provider` without a worker."""
+def in_process(provider, max_connections, worker=None):
+    """An APIServer in this process, serving `provider` with a stand-in worker."""
     server = APIServer("127.0.0.1", 0, ServerDefaults(), [], max_connections=max_connections, request_timeout=TIMEOUT)
-    server.provider = provider
+    server.provider, server.worker = provider, worker or _Worker()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield server
@@ -622,3 +633,27 @@ def test_unexpected_handler_failures_are_500_json_and_the_server_lives_on():
             assert body["error"] == {"message": "internal server error: RuntimeError: an unforeseen bug",
                                      "type": "server_error", "param": None, "code": 500}
             connection.close()
+
+
+class _JobProvider:
+    model_id = "jobs"
+    names = {"jobs"}
+
+    def make_job(self, request):
+        return Job(request, None, [1, 2, 3])
+
+
+def test_a_dead_worker_is_reported_not_waited_for():
+    """If the generation worker's thread has died, /health says so (503) and a request
+    gets a 503 naming it at once, instead of waiting forever."""
+    with in_process(_JobProvider(), max_connections=4, worker=_Worker(alive=False)) as server:
+        status, body = get_health(server.server_address)
+        assert status == 503 and "generation worker stopped" in body["error"]["message"]
+        connection = http.client.HTTPConnection(*server.server_address, timeout=30)
+        began = time.time()
+        connection.request("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
+        response = connection.getresponse()
+        body = json.loads(response.read())
+        assert response.status == 503 and "generation worker stopped" in body["error"]["message"]
+        assert time.time() - began < 5
+        connection.close()
