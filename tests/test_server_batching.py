@@ -3,6 +3,9 @@ each greedy answer equal to its solo run, for dense, sliding-window and hybrid t
 stop strings, a cancelled request, prompt cache reuse and seeded sampling per request.
 Driven in process step by step, then once over HTTP with concurrent clients."""
 
+import functools
+import json
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -400,3 +403,58 @@ def test_a_seeded_sample_depends_on_nothing_else():
     mx.random.seed(5)
     drive(worker, [seeded], kind="text")
     assert mx.random.uniform().item() == expected
+
+
+@pytest.mark.parametrize("drafter", ["--draft-model", "--prompt-lookup", "--mtp"])
+def test_the_batch_server_survives_careless_clients(drafter, tmp_path):
+    """A batch server on the demo target speculating with each drafter, hit at once by
+    the requests that used to stop it or corrupt it: stop strings met inside a
+    speculated step that also ends the row, clients leaving mid-stream (their caches
+    stored with a round queued), requests with penalties (they never draft), seeded
+    and malformed ones. Then it answers exactly and /health says ok."""
+    flags = [drafter] + ([str(DEMO / "qwen3-draft-stdlib")] if drafter == "--draft-model" else [])
+    server = start_server(drafter, DEMO / "qwen3-next-stdlib", tmp_path / "server.log",
+                          flags=flags + ["--max-batch-size", "4", "--fixed-draft-length"]).wait_ready()
+    prompt = "def fibonacci(n):"
+    try:
+        def complete(**body):
+            return server.raw("POST", "/v1/completions", json.dumps({"prompt": prompt, **body}))
+
+        def leave_mid_stream(max_tokens):
+            connection = socket.create_connection(server.address)
+            body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True}).encode()
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                               % (len(body), body))
+            connection.recv(200)  # the headers, maybe a chunk
+            connection.close()
+            return None
+
+        careless = [lambda m=m: complete(max_tokens=m, stop=["\n"], temperature=0) for m in (1, 2, 3, 5)]
+        careless += [lambda m=m: complete(max_tokens=m, stop=["\n", " "], seed=4, temperature=0.9) for m in (2, 6)]
+        careless += [lambda m=m: leave_mid_stream(m) for m in (30, 60)]
+        careless += [lambda: complete(max_tokens=60, presence_penalty=0.5),
+                     lambda: server.raw("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": "many"}')]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda ask: ask(), careless))
+        for answer in answers[:6] + answers[8:9]:
+            assert answer[0] == 200 and answer[1]["choices"][0]["finish_reason"] in ("stop", "length"), answer
+        assert answers[9][0] == 400
+        for max_tokens in (1, 2, 3, 5):
+            got = complete(max_tokens=max_tokens, stop=["\n"], temperature=0)[1]["choices"][0]["text"]
+            assert "\n" not in got
+        seeded = complete(max_tokens=6, stop=["\n", " "], seed=4, temperature=0.9)[1]["choices"][0]["text"]
+        assert seeded == answers[5][1]["choices"][0]["text"]
+        status, body = complete(max_tokens=24, temperature=0)
+        model, tokenizer = demo_model()
+        assert status == 200 and body["choices"][0]["text"] == generate(model, tokenizer, prompt, max_tokens=24)
+        assert server.raw("GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=30)
+
+
+@functools.lru_cache(maxsize=None)
+def demo_model():
+    from mlx_lm import load
+
+    return load(str(DEMO / "qwen3-next-stdlib"))
