@@ -33,7 +33,8 @@ setup(
     python_requires=">=3.9",
     install_requires=requirements,
     extras_require={
-        "cpu": [f"mlx[cpu]>={MIN_MLX_VERSION}"],
+        # MKL: a fast BLAS for MLX's CPU backend, loaded by `import mlx_lm` (fast_blas.py).
+        "cpu": [f"mlx[cpu]>={MIN_MLX_VERSION}", 'mkl>=2024; platform_system == "Linux" and platform_machine == "x86_64"'],
         "cuda12": [f"mlx[cuda12]>={MIN_MLX_VERSION}"],
         "cuda13": [f"mlx[cuda13]>={MIN_MLX_VERSION}"],
         "test": ["pytest", "tokenizers", "safetensors", "openai"],

@@ -10,6 +10,7 @@ import sys
 import types
 from importlib import import_module
 
+from . import fast_blas
 from ._version import __version__
 
 # Public name -> the module (of this package) that defines it.
@@ -61,6 +62,7 @@ def __getattr__(name: str):
     return value
 
 
+fast_blas.load_fast_blas()  # before mlx.core binds its BLAS (fast_blas.py)
 _check_mlx()
 logging.getLogger("transformers").addFilter(_DropTorchNotice())
 sys.modules[__name__].__class__ = _Package

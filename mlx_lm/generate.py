@@ -35,6 +35,7 @@ from .drafters import (
     on_generation_stream,
     prefill,
 )
+from .fast_blas import blas_line
 from .models import cache
 from .models.cache import maybe_quantize_kv_cache  # noqa: F401  (upstream's name here)
 from .sample_utils import make_sampler
@@ -526,6 +527,8 @@ def run(args: argparse.Namespace) -> str:
         kwargs["drafter"] = PromptLookup(args.max_ngram_size, context=context)
     if verbose:
         print(f"Compute dtype: {parameter_dtypes(model)} ({compute_dtype(args.dtype)[1]})")
+        if blas_line() is not None:
+            print(blas_line())
         if group.size() > 1:
             print(f"Tensor parallel over {group.size()} ranks: {parameter_bytes(model) / 1e9:.3f} GB of "
                   "weights on rank 0")

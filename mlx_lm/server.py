@@ -71,6 +71,7 @@ from .openai_api import (
 )
 from .utils import compute_dtype, parameter_dtypes
 from .drafters import DEFAULT_PREFILL_STEP_SIZE
+from .fast_blas import blas_line
 from .serving import (
     PROMPT_CACHE_MEMORY_FRACTION,
     BatchWorker,
@@ -729,6 +730,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         distributed_serving.agree_on_cache_bytes(server.provider, group)
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
+    if blas_line() is not None:
+        log.info(blas_line())
     # A server under mlx.launch serves one request at a time (distributed_serving.py).
     if group.size() == 1 and args.max_batch_size > 1:
         try:
