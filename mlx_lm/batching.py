@@ -52,6 +52,7 @@ from .models.batch_cache import (
 )
 from .models.cache import make_prompt_cache
 from .sample_utils import CategoricalSampler, make_sampler
+from .speculative import SpeculationStats
 from .tokenizer_utils import TokenizerWrapper
 
 Sampler = Callable[[mx.array], mx.array]
@@ -99,14 +100,12 @@ class PromptProgress:
 
 
 @dataclass
-class RowSpeculation:
-    """A speculating sequence's counts so far: drafts verified and accepted, target
-    forwards it took part in, and rounds per draft length (index k; 0: a plain step)."""
+class RowSpeculation(SpeculationStats):
+    """A speculating sequence's SpeculationStats so far, counted a round at a time:
+    every target forward it took part in (draft_lengths index k, 0: a plain step);
+    its rounds' times are the batch's, known only once the next round begins."""
 
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_target_forwards: int = 0
-    draft_lengths: List[int] = field(default_factory=list)
+    last_draft_length: int = 0  # the k of its last round, which `add_seconds` times
 
     def add_round(self, num_drafted: int, num_accepted: int) -> None:
         self.num_drafted += num_drafted
@@ -114,6 +113,12 @@ class RowSpeculation:
         self.num_target_forwards += 1
         self.draft_lengths += [0] * (num_drafted + 1 - len(self.draft_lengths))
         self.draft_lengths[num_drafted] += 1
+        self.count_round(num_drafted, num_accepted, None)
+        self.last_draft_length = num_drafted
+
+    def add_seconds(self, seconds: float) -> None:
+        """Its last round (the whole batch's) took `seconds`."""
+        self.count_seconds(self.last_draft_length, seconds)
 
 
 @dataclass
@@ -566,7 +571,11 @@ class BatchGenerator:
         too), which nothing overlaps."""
         if self._last_round is not None and self._round_timed:
             num_rows, k, top = self._last_round
-            self._policy.learn_cost(num_rows, k, time.perf_counter() - top)
+            seconds = time.perf_counter() - top
+            self._policy.learn_cost(num_rows, k, seconds)
+            for s in self._active:  # the rows of that round (none joined or left since)
+                if s.speculation is not None:
+                    s.speculation.add_seconds(seconds)
         self._last_round, self._round_timed = None, True
 
     def _catch_up(self) -> None:

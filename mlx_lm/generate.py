@@ -348,8 +348,24 @@ def generate(
             )
             histogram = ", ".join(f"k={k}: {n}" for k, n in enumerate(spec.draft_lengths) if n)
             print(f"Draft length: mean {spec.mean_draft_length:.2f} per round ({histogram})")
+            for line in speculation_telemetry(spec):
+                print(line)
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
+
+
+def speculation_telemetry(spec: SpeculationStats) -> List[str]:
+    """The verbose lines on acceptance by depth, round costs and the speedup bound."""
+    depths = ", ".join(f"d={d + 1}: {a}/{n} ({a / n:.0%})"
+                       for d, (a, n) in enumerate(zip(spec.accepted_at_depth, spec.drafted_at_depth)))
+    costs = ", ".join(f"k={k}: {s * 1e3:.2f} ms" for k, s in enumerate(spec.mean_round_seconds) if s is not None)
+    lines = [f"Acceptance by depth: {depths or 'nothing drafted'}", f"Round cost: {costs or 'not measured'}"]
+    if spec.bound is None:
+        lines[-1] += " (no plain step to compare with, so no bound)"
+    else:
+        lines.append(f"Speedup: x{spec.measured_speedup:.2f} measured, bound x{spec.bound:.2f} at "
+                     f"k={spec.bound_draft_length}, efficiency {spec.efficiency:.0%}")
+    return lines
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

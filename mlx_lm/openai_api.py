@@ -413,7 +413,17 @@ def usage(result: GenerationResult) -> dict:
                                              "rejected_prediction_tokens": spec.num_drafted - spec.num_accepted}
         body["speculation"] = {"num_drafted": spec.num_drafted, "num_accepted": spec.num_accepted,
                                "num_target_forwards": spec.num_target_forwards,
-                               "draft_lengths": spec.draft_lengths}
+                               "draft_lengths": spec.draft_lengths,
+                               "tokens_per_target_forward": spec.tokens_per_forward,
+                               "drafted_at_depth": spec.drafted_at_depth,
+                               "accepted_at_depth": spec.accepted_at_depth,
+                               "depth_acceptance": spec.depth_acceptance,
+                               "round_seconds": spec.mean_round_seconds,  # mean per draft length k; null: untimed
+                               "plain_step_seconds": spec.plain_step_seconds,
+                               "measured_speedup": spec.measured_speedup,
+                               "bound": spec.bound,
+                               "bound_draft_length": spec.bound_draft_length,
+                               "efficiency": spec.efficiency}
     return body
 
 

@@ -1,9 +1,10 @@
 """`mlx_lm.server`: an OpenAI-compatible HTTP server on the standard library.
 
 Endpoints: POST /v1/chat/completions (also /chat/completions), POST /v1/completions,
-GET /v1/models, GET /health. Streaming is by server-sent events: `data: {json}` chunks,
-a last chunk carrying finish_reason, a usage chunk when `stream_options.include_usage`,
-then `data: [DONE]`; `: keepalive <done>/<total>` comments go out during prefill.
+GET /v1/models, GET /health, GET /metrics (Prometheus text format; metrics.py).
+Streaming is by server-sent events: `data: {json}` chunks, a last chunk carrying
+finish_reason, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`;
+`: keepalive <done>/<total>` comments go out during prefill.
 
 Serving (serving.py). The model (and `--draft-model`) is loaded once; request handler
 threads parse, validate and tokenize; one worker thread runs every MLX computation,
@@ -25,7 +26,8 @@ refused even when the copies agree). Web pages get in only from --allowed-origin
 (CORS): a request whose Origin header is not listed is refused with 403 before any work.
 
 Extensions to OpenAI's schema: request `num_draft_tokens`; in `usage`,
-`speculation: {num_drafted, num_accepted, num_target_forwards}` and
+`speculation: {num_drafted, num_accepted, num_target_forwards, ...}` (with the
+per-depth acceptance, round costs and the speedup bound: openai_api.usage) and
 `completion_tokens_details.{accepted,rejected}_prediction_tokens` (draft tokens the
 target accepted / rejected).
 """
@@ -72,6 +74,7 @@ from .openai_api import (
 from .utils import compute_dtype, parameter_dtypes
 from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .fast_blas import blas_line
+from .metrics import CONTENT_TYPE
 from .serving import (
     PROMPT_CACHE_MEMORY_FRACTION,
     BatchWorker,
@@ -372,11 +375,13 @@ class APIHandler(BaseHTTPRequestHandler):
             self.send_header("Vary", "Origin")
 
     def _send_json(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
+        self._send(status, json.dumps(body).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
         self.send_response(status)
         if status == HTTPStatus.METHOD_NOT_ALLOWED:
             self.send_header("Allow", "GET, POST, OPTIONS")
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -489,18 +494,26 @@ class APIHandler(BaseHTTPRequestHandler):
             self._send_json(200, {"status": "ok"})
         elif path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [model]})
+        elif path == "/metrics":
+            worker = self.server.worker
+            self._send(200, worker.metrics.exposition(worker.batch_size, worker.queue_length).encode(), CONTENT_TYPE)
         elif path.startswith("/v1/models/") and path[len("/v1/models/"):] in provider.names:
             self._send_json(200, model)
         else:
             raise RequestError(404, f"no such endpoint: GET {path}")
 
     def _post(self) -> None:
-        body = self._read_body()
         kind = self.POST_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
-        if kind is None:
-            raise RequestError(404, f"no such endpoint: POST {self.path}")
-        request = parse_request(body, kind, self.server.defaults)
-        job = self.server.provider.make_job(request)  # tokenizes here, not on the worker
+        try:
+            body = self._read_body()
+            if kind is None:
+                raise RequestError(404, f"no such endpoint: POST {self.path}")
+            request = parse_request(body, kind, self.server.defaults)
+            job = self.server.provider.make_job(request)  # tokenizes here, not on the worker
+        except Exception as e:
+            if kind is not None:  # refused before the worker saw it (the worker counts the rest)
+                self.server.worker.metrics.count_error(kind, e.status if isinstance(e, RequestError) else 500)
+            raise
         self.server.worker.submit(job)
         name = self.server.provider.model_id if job.model_key is None else model_id(job.model_key)
         builder = ResponseBuilder(request, name)

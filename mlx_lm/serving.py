@@ -41,6 +41,8 @@ outputs, with or without a draft model.
 """
 
 import contextlib
+import copy
+import dataclasses
 import logging
 import os
 import queue
@@ -57,6 +59,7 @@ from .drafters import DEFAULT_PREFILL_STEP_SIZE, MTPHead, PromptLookup, check_mt
 from .generate import GenerationResponse, SpeculationStats, check_same_tokenizer, stream_generate
 from .speculative import check_can_speculate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
+from .metrics import Metrics
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from .openai_api import (
     DEFAULT_MODEL_NAME,
@@ -400,6 +403,8 @@ class GenerationWorker:
         self.prompt_lookup, self.max_ngram_size = prompt_lookup, max_ngram_size
         self.jobs: "queue.Queue[Job]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
+        self.metrics = Metrics()  # what GET /metrics reports
+        self._running: Optional[Job] = None  # the job `run` is on
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -421,25 +426,46 @@ class GenerationWorker:
         nothing: /health says so)."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def batch_size(self) -> int:
+        """Requests being generated now (read from any thread)."""
+        return int(self._running is not None)
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting for the worker (read from any thread)."""
+        return self.jobs.qsize()
+
     def run_forever(self) -> None:
         while True:
             self.run(self.jobs.get())
 
     def run(self, job: Job) -> None:
+        kind = job.request.kind
         if job.cancelled.is_set():
             log.info("Client disconnected while queued; request dropped")
+            self.metrics.count_request(kind, "cancelled")
             return
+        self._running = job
         try:
             with _seeded(job.request.seed):
-                job.events.put(("done", self.generate(job)))
+                result = self.generate(job)
+            # Counted before the answer goes out: a client that has it sees it counted.
+            self.metrics.count_result(kind, result, cancelled=job.cancelled.is_set())
+            job.events.put(("done", result))
         except RequestError as e:
+            self.metrics.count_error(kind, e.status)
             job.events.put(("error", e.status, e.message))
         except _Cancelled as e:
+            self.metrics.count_request(kind, "cancelled")
             log.info("Client disconnected during prefill (%d of %d prompt tokens fed); request dropped",
                      e.num_fed, e.total)
         except Exception as e:  # the server stays up; the client learns why
             log.exception("Generation failed")
+            self.metrics.count_error(kind, 500)
             job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+        finally:
+            self._running = None
 
     def _sampling(self, served: ServedModel, request: GenerationRequest):
         bad = [t for t in request.logit_bias if t >= served.vocab_size]
@@ -609,6 +635,14 @@ class BatchWorker(GenerationWorker):
         self.streams: Dict[int, _Stream] = {}
         self.generator = self._make_generator()  # a model that cannot speculate fails here, at startup
 
+    @property
+    def batch_size(self) -> int:
+        return len(self.streams) + super().batch_size  # (another model's request runs alone)
+
+    @property
+    def queue_length(self) -> int:
+        return super().queue_length + len(self.backlog)
+
     def _make_generator(self) -> BatchGenerator:
         served = self.provider.default
         return BatchGenerator(
@@ -641,13 +675,16 @@ class BatchWorker(GenerationWorker):
             job = self.backlog.popleft()
             if job.cancelled.is_set():
                 log.info("Client disconnected while queued; request dropped")
+                self.metrics.count_request(job.request.kind, "cancelled")
                 continue
             try:
                 self._start(job)
             except RequestError as e:
+                self.metrics.count_error(job.request.kind, e.status)
                 job.events.put(("error", e.status, e.message))
             except Exception as e:  # the server stays up; the client learns why
                 log.exception("Could not start the request")
+                self.metrics.count_error(job.request.kind, 500)
                 job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
 
     def _start(self, job: Job) -> None:
@@ -685,6 +722,7 @@ class BatchWorker(GenerationWorker):
         except Exception as e:  # the server stays up; every client in the batch learns why
             log.exception("Batched generation failed")
             for stream in self.streams.values():
+                self.metrics.count_error(stream.job.request.kind, 500)
                 stream.job.events.put(("error", 500, f"generation failed: {type(e).__name__}: {e}"))
             self.streams.clear()
             self.generator = self._make_generator()
@@ -736,9 +774,11 @@ class BatchWorker(GenerationWorker):
             num_held = stream.num_cached + num_fed
         if num_held > stream.num_cached:
             stream.served.prompt_cache.insert(sequence[:num_held], prompt_cache)
+        kind = stream.job.request.kind
         if num_held < len(stream.tokens):  # cancelled before its prompt was in
             log.info("Client disconnected during prefill (%d of %d prompt tokens fed); request dropped",
                      num_held, len(stream.tokens))
+            self.metrics.count_request(kind, "cancelled")
             return
         if stream.job.cancelled.is_set():
             log.info("Client disconnected; stopped after %d generated tokens", len(stream.generated))
@@ -748,6 +788,8 @@ class BatchWorker(GenerationWorker):
         log.info("%s: %d prompt tokens (%d cached), %d generated at %.1f tokens/s (batch of %d)",
                  stream.served.name, result.prompt_tokens, stream.num_cached, len(stream.generated),
                  len(stream.generated) / seconds if seconds > 0 else 0.0, len(self.streams))
+        # Counted before the answer goes out: a client that has it sees it counted.
+        self.metrics.count_result(kind, result, cancelled=stream.job.cancelled.is_set())
         stream.job.events.put(("done", result))
 
     @staticmethod
@@ -755,5 +797,5 @@ class BatchWorker(GenerationWorker):
         spec = stream.speculation
         if spec is None:
             return None
-        return SpeculationStats(spec.num_drafted, spec.num_accepted, spec.num_target_forwards,
-                                stream.acceptance_rule, list(spec.draft_lengths))
+        counts = {f.name: copy.copy(getattr(spec, f.name)) for f in dataclasses.fields(SpeculationStats)}
+        return SpeculationStats(**{**counts, "acceptance_rule": stream.acceptance_rule})

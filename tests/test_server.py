@@ -8,6 +8,7 @@ hybrid (Gated DeltaNet) target with a dense draft. Plain (draft-free) serving ru
 in process, through the same worker.
 """
 
+import http.client
 import json
 import re
 import socket
@@ -331,6 +332,52 @@ def test_concurrent_clients_get_their_own_answers(dense_server):
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(ask, range(8))) == expected
+
+
+def scrape_metrics(server):
+    """GET /metrics, parsed strictly (tests/test_metrics.py)."""
+    from test_metrics import parse_exposition
+
+    connection = http.client.HTTPConnection(*server.address, timeout=60)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    assert response.status == 200
+    assert response.getheader("Content-Type") == "text/plain; version=0.0.4; charset=utf-8"
+    return parse_exposition(text)
+
+
+def test_metrics_move_with_requests(dense_server):
+    from test_metrics import value
+
+    before = scrape_metrics(dense_server)
+    answers = [chat(dense_server, user("Count the draft tokens.")),
+               dense_server.client.completions.create(model="default_model", prompt="Once upon", temperature=0,
+                                                      max_tokens=MAX_TOKENS)]
+    status, _ = dense_server.raw("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": -5}))
+    assert status == 400
+    after = scrape_metrics(dense_server)
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("mlx_lm_requests_total", endpoint="/v1/chat/completions", outcome="completed") == 1
+    assert moved("mlx_lm_requests_total", endpoint="/v1/completions", outcome="completed") == 1
+    assert moved("mlx_lm_requests_total", endpoint="/v1/completions", outcome="rejected") == 1
+    assert moved("mlx_lm_generated_tokens_total") == sum(a.usage.completion_tokens for a in answers)
+    assert moved("mlx_lm_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    specs = [speculation(a.usage) for a in answers]
+    assert moved("mlx_lm_draft_tokens_total") == sum(s["num_drafted"] for s in specs) > 0
+    assert moved("mlx_lm_draft_accepted_tokens_total") == sum(s["num_accepted"] for s in specs)
+    for depth in (1, 2):  # (a request may have drafted nothing, or not that deep)
+        for counts in ("drafted_at_depth", "accepted_at_depth"):
+            want = sum(s[counts][depth - 1] for s in specs if len(s[counts]) >= depth)
+            assert moved(f"mlx_lm_{counts}_total", depth=depth) == want, (counts, depth)
+    assert value(after, "mlx_lm_batch_size") == 0 and value(after, "mlx_lm_queue_length") == 0
+    for spec in specs:
+        assert (spec["drafted_at_depth"] or [0])[0] == sum(spec["draft_lengths"][1:])
+        assert len(spec["depth_acceptance"]) == len(spec["drafted_at_depth"])
 
 
 # ---------------------------------------------------------------------------

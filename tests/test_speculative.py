@@ -642,3 +642,28 @@ def test_speculation_prefills_in_the_chunks_plain_decoding_does(monkeypatch):
     _, spec_logprobs, _ = next(speculative_generate_step(prompt, target, prompt_lookup=True))
     assert calls[0] == plain_calls[0] == 699  # the whole prompt but its last token, in one chunk
     assert mx.array_equal(plain_logprobs, spec_logprobs)
+
+
+@pytest.mark.parametrize("kind", ["noisy", "self"])
+def test_stats_count_acceptance_by_depth_and_time_every_round(kind):
+    """Per-depth counts agree with the rounds (read back from the from_draft flags) and
+    with the totals; every round is timed, plain steps included, so the bound and the
+    measured speedup exist (the adaptive policy starts with plain steps)."""
+    target = model("llama_tf4")
+    stats = SpeculationStats()
+    out = list(speculative_generate_step(PROMPT, target, draft_for(kind, "llama_tf4"), num_draft_tokens=4,
+                                         max_tokens=NUM_TOKENS, stats=stats))
+    assert [t for t, _, _ in out] == plain(target)
+    assert stats.drafted_at_depth[0] == sum(stats.draft_lengths[1:])  # every drafting round drafted depth 1
+    assert sum(stats.drafted_at_depth) == stats.num_drafted and sum(stats.accepted_at_depth) == stats.num_accepted
+    assert all(a >= b for a, b in zip(stats.accepted_at_depth, stats.accepted_at_depth[1:]))
+    assert all(a >= b for a, b in zip(stats.drafted_at_depth, stats.drafted_at_depth[1:]))
+    # The rounds' accepted prefixes, depth by depth (a last round ending on drafts aside).
+    prefixes = accepted_per_round(out)
+    assert stats.accepted_at_depth[0] >= sum(n >= 1 for n in prefixes)
+    assert stats.timed_rounds == stats.draft_lengths[: len(stats.timed_rounds)]
+    assert sum(stats.timed_rounds) == stats.num_target_forwards
+    assert stats.plain_step_seconds > 0 and stats.bound >= 1.0
+    assert stats.measured_speedup > 0 and stats.efficiency == pytest.approx(stats.measured_speedup / stats.bound)
+    if kind == "self":  # everything drafted is accepted
+        assert stats.depth_acceptance == [1.0] * len(stats.drafted_at_depth)
