@@ -45,7 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_drafters import BatchDraftModel, BatchMTPHead
-from .draft_length import AcceptanceEstimate, BatchDraftLengthPolicy
+from .draft_length import DRAFT_LENGTHS, AcceptanceEstimate, BatchDraftLengthPolicy, LearnedBatchDraftLength
 from .drafters import DEFAULT_PREFILL_STEP_SIZE, PromptLookup
 from .models.batch_cache import (
     bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
@@ -54,6 +54,7 @@ from .models.cache import make_prompt_cache
 from .sample_utils import CategoricalSampler, make_sampler
 from .speculative import SpeculationStats
 from .tokenizer_utils import TokenizerWrapper
+from .utils import parameter_dtypes
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
@@ -265,7 +266,14 @@ class BatchGenerator:
         self._drafter: Union[None, BatchDraftModel, BatchMTPHead] = (
             BatchDraftModel(draft_model, model.args.vocab_size) if draft_model is not None
             else BatchMTPHead(model) if mtp else None)
-        self._policy = BatchDraftLengthPolicy(adaptive=not fixed_draft_length)
+        # Adaptive: costs and acceptance shared with earlier generators of this pair.
+        learned = None
+        if self.speculating and not fixed_draft_length:
+            models = [model] if draft_model is None else [model, draft_model]
+            kind = "mtp" if mtp else "prompt lookup" if prompt_lookup else "draft model"
+            setting = ("batch", kind, tuple(parameter_dtypes(m) for m in models))
+            learned = DRAFT_LENGTHS.get(models, setting, LearnedBatchDraftLength)
+        self._policy = BatchDraftLengthPolicy(adaptive=not fixed_draft_length, learned=learned)
         self._last_round: Optional[Tuple[int, int, float]] = None  # the last step's (rows, K, top)
         self._round_timed = True  # nothing but the last round ran since it started
         self._pending: Optional[_QueuedRound] = None  # queued by the last step, decided by the next

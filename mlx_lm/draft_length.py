@@ -8,11 +8,16 @@ the same probability a, independently, until the first rejection. A round that
 drafts k tokens then emits E(a, k) = 1 + a + ... + a^k tokens (the accepted prefix
 plus the target's own token) for the price of k draft steps and one (k+1)-token
 verify. The policy picks the k in 0..cap with the most expected tokens per second.
+
+What the rounds of a (target, drafter) pair showed outlives the call: DRAFT_LENGTHS
+keeps it for the process, so the next call with the pair (a second generate, a chat
+turn, a server request) starts from it instead of from plain rounds and a slow start.
 """
 
 import copy
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple, TypeVar
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -136,6 +141,60 @@ class RoundCosts:
         return interpolated_costs([None if s is None else math.exp(s) for s in logs], self.prior_cost_per_draft)
 
 
+class LearnedDraftLength:
+    """What the drafting of one (target, drafter, setting) showed so far in this
+    process: round costs, acceptance, the draft lengths whose first round (with its
+    one-off work: first calls of its shapes) is behind it, and the interval between
+    probes. The policies of successive calls share one (DRAFT_LENGTHS) and learn into
+    it, so each starts where the last one stopped."""
+
+    def __init__(self, costs: RoundCosts, acceptance: AcceptanceEstimate, probe_interval: int):
+        self.costs, self.acceptance, self.probe_interval = costs, acceptance, probe_interval
+        self.lengths_seen: Set[int] = set()
+        self.num_drafting_rounds = 0
+
+    @property
+    def warm(self) -> bool:
+        """Enough to choose from: a round cost and a drafting round's acceptance."""
+        return self.costs.measured and self.num_drafting_rounds > 0
+
+
+Learned = TypeVar("Learned")
+
+
+class DraftLengthMemory:
+    """Process-wide memory of what draft-length policies learned, one entry per
+    (models, setting): the ids of the target and the draft model (if any) and a
+    hashable setting (the drafter kind, the loop, the acceptance rule, the KV
+    quantization: whatever costs or acceptance depend on). A new call with the same
+    models and setting starts warm; any other starts fresh. It holds no reference to
+    a model: an entry is dropped when one of its models is collected
+    (weakref.finalize), so a later model that reuses the id starts fresh too."""
+
+    def __init__(self):
+        self._entries: Dict[Tuple[Tuple[int, ...], Hashable], object] = {}
+
+    def get(self, models: Sequence[object], setting: Hashable, make: Callable[[], Learned]) -> Learned:
+        """The entry of `models` and `setting`, made by `make()` the first time."""
+        key = (tuple(id(m) for m in models), setting)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = make()
+            for m in models:
+                weakref.finalize(m, self._entries.pop, key, None)
+        return entry
+
+    def forget(self) -> None:
+        """Drop every entry: the next call of every pair starts cold (benchmarks, tests)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+DRAFT_LENGTHS = DraftLengthMemory()
+
+
 class DraftLengthPolicy:
     """Chooses how many tokens to draft each round, from what past rounds showed.
 
@@ -187,6 +246,13 @@ class DraftLengthPolicy:
     probe whose drafts were all accepted is followed by another at once, so recovery
     takes a few rounds after the first good probe, not a few intervals.
 
+    Warm start: given `learned` (what earlier calls of the same pair learned:
+    DRAFT_LENGTHS), the policy takes its costs, acceptance and probe interval and
+    goes on learning into them; once it holds a cost and a drafting round's
+    acceptance, the plain rounds first and the slow start are skipped and the first
+    round drafts the best k. (Cold, a 48-token call spent about a quarter of its gain
+    finding that out.) Without it the policy learns alone, from the priors.
+
     Deterministic: the same inputs give the same choices; but the inputs include
     wall-clock times, so the choices differ from run to run. Under greedy decoding k
     changes only the speed, never the tokens. Under sampling the output's law is the
@@ -209,6 +275,7 @@ class DraftLengthPolicy:
         prior_accepted: float = 1.0,
         prior_rejected: float = 1.0,
         prior_cost_per_draft: float = 0.3,
+        learned: Optional[LearnedDraftLength] = None,
     ):
         if max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be at least 0, got {max_draft_tokens}")
@@ -232,15 +299,18 @@ class DraftLengthPolicy:
         self.adaptive = adaptive
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.plain_rounds_first, self.optimism = plain_rounds_first, optimism
-        self.acceptance = AcceptanceEstimate(prior_accepted, prior_rejected, acceptance_memory)
-        self.costs = RoundCosts(max_draft_tokens, cost_memory_falling, cost_memory_rising, prior_cost_per_draft)
+        self.learned = learned if learned is not None else LearnedDraftLength(
+            RoundCosts(max_draft_tokens, cost_memory_falling, cost_memory_rising, prior_cost_per_draft),
+            AcceptanceEstimate(prior_accepted, prior_rejected, acceptance_memory), probe_interval)
+        self.acceptance, self.costs = self.learned.acceptance, self.learned.costs  # shared with `learned`
+        warm = adaptive and self.learned.warm
         self.counts = [0] * (max_draft_tokens + 1)  # rounds that drafted k, per k
         self.num_accepted = 0
         self.last_round_all_accepted = False
         self.last_num_draft = 0
-        self.slow_start_rounds: Optional[int] = None  # rounds it took; None while in it
-        self.interval = probe_interval  # rounds from one probe to the next
-        self.next_probe = 0  # the round of the next probe, once the slow start is over
+        self.slow_start_rounds: Optional[int] = 0 if warm else None  # rounds it took; None while in it
+        self.interval = self.learned.probe_interval if warm else probe_interval  # rounds between probes
+        self.next_probe = self.interval if warm else 0  # the round of the next probe, after the slow start
         self.num_probes = 0
 
     @classmethod
@@ -285,11 +355,14 @@ class DraftLengthPolicy:
             )
         if not round_seconds > 0:
             raise ValueError(f"round_seconds must be > 0, got {round_seconds}")
-        if self.counts[num_draft] > 0:  # the first round of a length carries one-off work
+        if num_draft in self.learned.lengths_seen:
             self.costs.learn(num_draft, round_seconds)
+        self.learned.lengths_seen.add(num_draft)  # its first round carried one-off work
         if num_draft > 0:
             self.acceptance.update(num_draft, num_accepted)
+            self.learned.num_drafting_rounds += 1
         self._advance(num_draft, num_accepted)
+        self.learned.probe_interval = self.interval
 
     def _advance(self, num_draft: int, num_accepted: int) -> None:
         """The round counts and the schedule (plain rounds first, slow start, probes)
@@ -319,8 +392,8 @@ class DraftLengthPolicy:
         return self.acceptance.value
 
     def round_costs(self) -> List[float]:
-        """Seconds of a round drafting k, for every k (RoundCosts.costs)."""
-        return self.costs.costs()
+        """Seconds of a round drafting k, for every k up to the cap (RoundCosts.costs)."""
+        return self.costs.costs(self.max_draft_tokens)
 
     def expected_round_seconds(self, k: int) -> Optional[float]:
         """Predicted seconds of a round drafting k; None before any cost was learned."""
@@ -348,6 +421,16 @@ class DraftLengthPolicy:
         if not 0 <= candidate <= self.max_draft_tokens:
             candidate = k - 1 if upward else k + 1
         return min(max(candidate, 0), self.max_draft_tokens)
+
+
+class LearnedBatchDraftLength:
+    """What the rounds of one (target, drafter) showed in batches so far in this
+    process (DRAFT_LENGTHS): round costs per batch size and the acceptance pooled
+    over rows; the policies of successive generators share one and learn into it."""
+
+    def __init__(self):
+        self.costs: Dict[int, RoundCosts] = {}  # batch size -> its round costs
+        self.pooled = AcceptanceEstimate(memory=32.0)  # every row's drafting rounds
 
 
 class BatchDraftLengthPolicy:
@@ -379,24 +462,30 @@ class BatchDraftLengthPolicy:
     K is the largest room (every row drafts its cap).
 
     The generator calls `update` once a round (its K and outcome) and `learn_cost`
-    with the round's seconds when it was timed (at the next round's top).
+    with the round's seconds when it was timed (at the next round's top). Given
+    `learned` (DRAFT_LENGTHS: what earlier generators of the same target and drafter
+    learned), its costs and pooled acceptance are shared with them, so a new
+    generator's first rounds choose from measured costs and its first rows start at
+    the acceptance rows showed before.
     """
 
     def __init__(self, *, adaptive: bool = True, probe_interval: int = 16, max_probe_interval: int = 256,
-                 cost_memory_falling: float = 8.0, cost_memory_rising: float = 8.0, prior_cost_per_draft: float = 0.3):
+                 cost_memory_falling: float = 8.0, cost_memory_rising: float = 8.0, prior_cost_per_draft: float = 0.3,
+                 learned: Optional[LearnedBatchDraftLength] = None):
         if not 2 <= probe_interval <= max_probe_interval:
             raise ValueError(f"need 2 <= probe_interval <= max_probe_interval, got {probe_interval} and "
                              f"{max_probe_interval}")
         self.adaptive, self.probe_interval, self.max_probe_interval = adaptive, probe_interval, max_probe_interval
         self._cost_settings = (cost_memory_falling, cost_memory_rising, prior_cost_per_draft)
-        self.costs: Dict[int, RoundCosts] = {}  # batch size -> its round costs
+        learned = learned if learned is not None else LearnedBatchDraftLength()
+        self.costs: Dict[int, RoundCosts] = learned.costs  # batch size -> its round costs
         self.counts: List[int] = []  # rounds per K
         self.last_round_all_accepted = False
         self.interval = probe_interval  # rounds from one probe to the next
         self._rounds_to_probe = probe_interval
         self._chosen_at: Dict[int, int] = {}  # K -> the round it was last chosen
         self._probe_from_plain = False  # the last choice was a probe while the best was 0
-        self.pooled = AcceptanceEstimate(memory=32.0)  # every row's drafting rounds
+        self.pooled = learned.pooled  # every row's drafting rounds
 
     @property
     def num_rounds(self) -> int:

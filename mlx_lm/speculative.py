@@ -9,7 +9,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .draft_length import DraftLengthPolicy
+from .draft_length import DRAFT_LENGTHS, DraftLengthPolicy, LearnedDraftLength
 from .drafters import (
     DEFAULT_PREFILL_STEP_SIZE,
     CachedModel,
@@ -28,6 +28,7 @@ from .drafters import (
 )
 from .models import cache
 from .sample_utils import CategoricalSampler, make_sampler
+from .utils import parameter_dtypes
 
 
 def expected_round_tokens(depth_acceptance: Sequence[float], k: int) -> float:
@@ -265,6 +266,21 @@ def make_drafter(
     if not isinstance(drafter, Drafter):
         raise ValueError(f"drafter must be a Drafter (e.g. PromptLookup()), got {type(drafter).__name__}")
     return drafter
+
+
+def learned_draft_length(model: nn.Module, draft_model: Optional[nn.Module], drafter_kind: str,
+                         sampler: Callable[[mx.array], mx.array], kv_quantization: Tuple,
+                         num_draft_tokens: int) -> LearnedDraftLength:
+    """What earlier calls of this target and drafter learned about draft lengths in
+    this process (draft_length.DRAFT_LENGTHS), fresh for a new pair. Keyed by what
+    costs and acceptance depend on: the models (a draft model by identity; an MTP head
+    or a lookup by `drafter_kind`, the drafter's class name, with the target), the
+    compute dtypes, the KV quantization (kv_bits, kv_group_size, quantized_kv_start)
+    and the temperature (None: token matching)."""
+    models = [model] if draft_model is None else [model, draft_model]
+    temperature = sampler.temp if isinstance(sampler, CategoricalSampler) else None
+    setting = ("sequence", drafter_kind, tuple(parameter_dtypes(m) for m in models), kv_quantization, temperature)
+    return DRAFT_LENGTHS.get(models, setting, lambda: DraftLengthPolicy(num_draft_tokens).learned)
 
 
 def verify(target: CachedModel, sequence: List[int], drafts: mx.array, logits_processors: Processors) -> mx.array:
@@ -520,7 +536,12 @@ def speculative_generate_step(
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
     stats.acceptance_rule = "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
-    policy = DraftLengthPolicy(num_draft_tokens, adaptive=adaptive_draft_length)
+    # Adaptive: start from what earlier calls of this pair learned; pinned: from nothing,
+    # so a seeded sampled run gives the same tokens whatever ran before it.
+    learned = learned_draft_length(model, draft_model, type(drafter).__name__, sampler,
+                                   (kv_bits, kv_group_size, quantized_kv_start),
+                                   num_draft_tokens) if adaptive_draft_length else None
+    policy = DraftLengthPolicy(num_draft_tokens, adaptive=adaptive_draft_length, learned=learned)
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from checkpoints import TINY_CONFIGS
 from mlx_lm import batch_drafters, batching
 from mlx_lm.batching import BatchGenerator, batch_generate
-from mlx_lm.draft_length import BatchDraftLengthPolicy
+from mlx_lm.draft_length import BatchDraftLengthPolicy, DraftLengthMemory
 from mlx_lm.drafters import ids_within
 from mlx_lm.generate import generate_step
 from mlx_lm.models.batch_cache import (
@@ -501,6 +501,9 @@ def test_a_draft_that_sits_out_plain_steps_catches_up(monkeypatch):
     monkeypatch.setattr(_AlignedKV, "step", 8)
     learn = BatchDraftLengthPolicy.learn_cost
     monkeypatch.setattr(BatchDraftLengthPolicy, "learn_cost", lambda self, rows, k, seconds: learn(self, rows, k, 1 + k / 2))
+    # A cold start: the model is shared with earlier tests, whose real round times (and
+    # lookups) the process-wide memory would otherwise start this batch from.
+    monkeypatch.setattr(batching, "DRAFT_LENGTHS", DraftLengthMemory())
     model, draft = tiny_model("qwen3"), perturbed("qwen3", noise=0.5)
     lengths, budgets = [14, 5, 22, 9], [40, 25, 7, 30]
     prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
@@ -663,6 +666,9 @@ def test_a_batch_stops_drafting_what_is_never_accepted(monkeypatch):
     monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(never))
     learn = BatchDraftLengthPolicy.learn_cost
     monkeypatch.setattr(BatchDraftLengthPolicy, "learn_cost", lambda self, rows, k, seconds: learn(self, rows, k, 1 + k / 2))
+    # A cold start: the model is shared with earlier tests, whose real round times (and
+    # lookups) the process-wide memory would otherwise start this batch from.
+    monkeypatch.setattr(batching, "DRAFT_LENGTHS", DraftLengthMemory())
     generator = BatchGenerator(model, max_tokens=40, prompt_lookup=True, num_draft_tokens=3)
     assert generate_all(generator, prompts, 40)[0] == wants
     stats = generator.stats()

@@ -2,6 +2,7 @@
 per-token acceptance, round costs from the measured float16 demo pair and from assumed
 float32-like and cheap-draft profiles. Pure Python, no models."""
 
+import gc
 import math
 import random
 import sys
@@ -15,7 +16,10 @@ from draft_policy_sim import CAP, PROFILES, fixed_rates, simulate  # noqa: E402
 
 from mlx_lm.draft_length import (  # noqa: E402
     BatchDraftLengthPolicy,
+    DraftLengthMemory,
     DraftLengthPolicy,
+    LearnedBatchDraftLength,
+    LearnedDraftLength,
     acceptance_evidence,
     best_draft_length,
     expected_tokens,
@@ -339,3 +343,163 @@ def test_a_joining_row_starts_at_the_batch_acceptance():
     for _ in range(4):
         policy.learn_row(row, 1, 0)
     assert row.value < 0.3
+
+
+# --- warm start: what earlier calls of a pair learned (DRAFT_LENGTHS) ----------------
+
+MTP_COSTS = [4.5e-3, 6.2e-3, 7.3e-3, 8.4e-3]  # the demo's MTP head on OpenBLAS: plain 4.5 ms, head 0.9 ms
+
+
+def learned_from_a_call(costs, a, num_rounds=40, seed=0) -> LearnedDraftLength:
+    """The state a cold policy leaves after one simulated call."""
+    policy = DraftLengthPolicy(len(costs) - 1)
+    simulate(policy, costs, lambda r: a, num_rounds, seed=seed)
+    return policy.learned
+
+
+def test_a_policy_that_starts_from_what_a_call_learned_drafts_from_its_first_round():
+    learned = learned_from_a_call(MTP_COSTS, 0.9)
+    assert learned.warm
+    assert DraftLengthPolicy(3).choose() == 0  # cold: plain rounds first
+    warm = DraftLengthPolicy(3, learned=learned)
+    assert warm.choose() == 3
+    assert warm.costs is learned.costs and warm.acceptance is learned.acceptance  # it learns into them
+    before = learned.num_drafting_rounds
+    warm.update(3, 3, MTP_COSTS[3])
+    assert learned.num_drafting_rounds == before + 1
+
+
+def test_a_warm_start_from_a_draft_that_never_agrees_stays_plain_with_its_probe_interval():
+    learned = learned_from_a_call(MTP_COSTS, 0.0, num_rounds=200)
+    assert learned.probe_interval == 64  # failed probes doubled it
+    run = simulate(DraftLengthPolicy(3, learned=learned), MTP_COSTS, lambda r: 0.0, 48, seed=1)
+    assert run["choices"].count(0) >= 47
+
+
+def test_the_mtp_head_drafts_its_cap_from_the_second_call():
+    """With the MTP head's costs (a draft step a fifth of a plain one) and its acceptance,
+    short calls draft at the cap: tokens per target forward within 5% of fixed k = 3
+    from the second call on, and the first call already within 10%."""
+    fixed = simulate(DraftLengthPolicy.fixed(3), MTP_COSTS, lambda r: 0.9, 40, seed=0)["tokens"]
+    learned = None
+    for call in range(4):
+        policy = DraftLengthPolicy(3, learned=learned)
+        run = simulate(policy, MTP_COSTS, lambda r: 0.9, 40, seed=call)
+        learned = policy.learned
+        assert run["tokens"] >= (0.95 if call else 0.9) * fixed, (call, run["choices"])
+        if call:
+            assert run["choices"].count(0) <= 1, run["choices"]
+
+
+def test_memory_keys_by_models_and_setting_and_forgets_collected_models():
+    class Model:
+        pass
+
+    memory = DraftLengthMemory()
+    target, draft, other = Model(), Model(), Model()
+    entry = memory.get([target, draft], ("sequence", 1), object)
+    assert memory.get([target, draft], ("sequence", 1), object) is entry
+    assert memory.get([target, other], ("sequence", 1), object) is not entry  # another pair: fresh
+    assert memory.get([target, draft], ("batch", 1), object) is not entry  # another setting: fresh
+    assert len(memory) == 3
+    del other
+    gc.collect()
+    assert len(memory) == 2  # the memory holds no model alive and drops its entries
+    memory.forget()
+    assert len(memory) == 0
+
+
+def test_batch_policies_share_costs_per_batch_size():
+    learned = LearnedBatchDraftLength()
+    first = BatchDraftLengthPolicy(learned=learned)
+    first.learn_cost(4, 2, 0.02)
+    first.learn_row(first.new_row(), 4, 4)
+    second = BatchDraftLengthPolicy(learned=learned)
+    assert sorted(second.costs) == [4]  # batch size 4 learned; 1 is not
+    assert second.costs[4].costs(2)[2] == pytest.approx(0.02)
+    assert second.new_row().value > 0.5  # the pooled acceptance carried over
+    assert BatchDraftLengthPolicy().costs == {}
+
+
+# --- warm start in the loops (tiny fixtures; the learned state injected, no timing) ---
+
+
+def tiny(name="llama_tf4"):
+    from conftest import FIXTURES
+
+    from mlx_lm.utils import load_model
+
+    return load_model(FIXTURES / name)[0]
+
+
+def teach_drafting_pays(learned: LearnedDraftLength, cap: int) -> None:
+    """Rounds of every k that cost little more than a plain step (as measured so far,
+    if at all) and were all accepted."""
+    plain = learned.costs.costs(cap)[0] if learned.costs.measured else 1.0
+    policy = DraftLengthPolicy(cap, learned=learned)
+    for _ in range(3):
+        for k in range(cap + 1):
+            policy.update(k, k, plain * (1.0 + 0.05 * k))
+
+
+def test_a_second_call_with_the_same_pair_starts_from_what_the_first_learned():
+    import mlx.core as mx
+
+    from mlx_lm.generate import SpeculationStats, speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.speculative import learned_draft_length
+
+    target, draft = tiny(), tiny()  # the draft is the target's twin: every draft agrees
+    prompt = mx.array([3, 17, 5, 9, 21, 4])
+
+    def run(draft_model):
+        stats = SpeculationStats()
+        tokens = [t for t, _, _ in speculative_generate_step(prompt, target, draft_model, num_draft_tokens=4,
+                                                             max_tokens=5, stats=stats)]
+        return tokens, stats
+
+    first, _ = run(draft)
+    learned = learned_draft_length(target, draft, "DraftModel", make_sampler(), (None, 64, 0), 4)
+    assert learned.num_drafting_rounds > 0 or learned.lengths_seen == {0}  # the first call learned into it
+    teach_drafting_pays(learned, 4)
+    second, stats = run(draft)
+    assert second == first
+    assert stats.num_target_forwards == 1 and stats.draft_lengths[4] == 1  # round one drafted the cap
+    other = tiny()  # another draft model: another pair, cold (plain rounds first)
+    assert learned_draft_length(target, other, "DraftModel", make_sampler(), (None, 64, 0), 4) is not learned
+    third, stats = run(other)
+    assert third == first and stats.num_target_forwards >= 3 and stats.draft_lengths[0] >= 2
+
+
+def test_a_seeded_sampled_run_with_a_pinned_length_ignores_the_warm_state():
+    import mlx.core as mx
+
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.speculative import learned_draft_length
+
+    target, draft = tiny(), tiny()
+    prompt = mx.array([3, 17, 5, 9, 21, 4])
+    sampler = make_sampler(0.7)
+
+    def seeded():
+        mx.random.seed(7)
+        return [t for t, _, _ in speculative_generate_step(prompt, target, draft, num_draft_tokens=3, max_tokens=12,
+                                                           sampler=sampler, adaptive_draft_length=False)]
+
+    before = seeded()
+    teach_drafting_pays(learned_draft_length(target, draft, "DraftModel", sampler, (None, 64, 0), 3), 3)
+    list(speculative_generate_step(prompt, target, draft, num_draft_tokens=3, max_tokens=12, sampler=sampler))
+    assert seeded() == before
+
+
+def test_batch_generators_of_the_same_pair_share_their_costs():
+    from mlx_lm.batching import BatchGenerator
+
+    target, draft = tiny(), tiny()
+    first, second = BatchGenerator(target, draft_model=draft), BatchGenerator(target, draft_model=draft)
+    assert first._policy.costs is second._policy.costs and first._policy.pooled is second._policy.pooled
+    first._policy.learn_cost(3, 1, 0.01)
+    assert sorted(second._policy.costs) == [3]  # batch sizes keyed separately
+    assert BatchGenerator(target, draft_model=tiny())._policy.costs == {}  # another pair
+    assert BatchGenerator(target, draft_model=draft, fixed_draft_length=True)._policy.costs == {}
