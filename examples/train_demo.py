@@ -7,6 +7,9 @@ A build tool, not part of the library: it uses torch (CPU), transformers
 (Qwen3NextForCausalLM, Qwen3ForCausalLM) and tokenizers, none of which mlx_lm needs at
 run time. Measured here with torch 2.13.0, transformers 5.24.0, tokenizers 0.23.3 on
 one core of a shared Xeon (bf16 autocast on AMX): about 50 minutes (22 target, 27 draft).
+The draft was retrained later on an AMD EPYC without bf16 instructions, in float32
+(`--precision auto` picks it there): 29 minutes for `--stage draft`.
+
 
 Stages (each seeded, so a rerun with the same versions gives the same files):
 1. Corpus: the `.py` sources of the running interpreter's standard library (Python
@@ -21,11 +24,13 @@ Stages (each seeded, so a rerun with the same versions gives the same files):
 3. Target: qwen3_next, 8 layers ([GDN, GDN, GDN, attention] x 2), hidden 256, dense MLP
    (num_experts 0: on a CPU a dense hybrid verifies k+1 tokens far more cheaply than a
    mixture of experts), tied embeddings, trained from scratch on next-token prediction.
-4. Draft: qwen3, 2 layers, hidden 128, tied embeddings, distilled on the target: first
-   KL(target || draft) on corpus text, then cross-entropy on the target's own greedy
-   continuations (what a greedy speculative run asks it to guess) of two kinds of
-   corpus prompts: random windows, and short windows that begin a line, as a user's
-   prompt does.
+4. Draft: qwen3, 2 layers, hidden 128, tied embeddings, distilled on the target's full
+   next-token law (soft targets, KL(target || draft)), not on its argmax: on text the
+   target writes itself, greedily and by sampling at T = 0.7 and T = 1.0 (what a greedy
+   or a sampling speculative run asks the draft to guess), from two kinds of corpus
+   prompts (random windows, and short windows that begin a line, as a user's prompt
+   does), and on corpus windows. The target's laws are computed once, kept as its top
+   64 tokens plus the rest as one outcome.
 5. MTP head (`--stage mtp` retrains only it): the target's multi-token-prediction head
    (`mtp.*`, one full-attention layer, as the Qwen3-Next checkpoints carry), the target
    frozen: from its post-norm hidden state h_t and the teacher-forced token x_{t+1} it
@@ -67,6 +72,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 4096
 EXCLUDED_DIRS = {"test", "tests", "site-packages", "__pycache__", "pydoc_data", "encodings", "idle_test"}
 MAX_FILE_BYTES = 256 * 1024
+# The draft learns from text the target writes at these temperatures (0: greedy), in
+# turn: what speculative decoding asks it to guess, greedy or sampling.
+CONTINUATION_TEMPS = (0.0, 0.7, 1.0)
 # Base models: render the conversation as its plain text (no role markers), so a chat
 # front end still gets a code completion.
 CHAT_TEMPLATE = (
@@ -176,8 +184,19 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+# bf16 autocast is fast only where the CPU has bf16 matrix instructions (the Xeon with
+# AMX of the first builds); elsewhere torch emulates it, ~8x slower than float32 (AMD
+# EPYC without avx512_bf16: measured). main() sets it once from --precision.
+BF16 = {"enabled": True}
+
+
+def cpu_has_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def autocast():
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=BF16["enabled"])
 
 
 @torch.no_grad()
@@ -244,18 +263,21 @@ def line_starts(tok, stream: np.ndarray) -> np.ndarray:
 
 
 @torch.no_grad()
-def greedy_continuations(target, tok, train_ids, args) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The target's greedy continuations of corpus prompts: sequences (N, gen_prompt +
-    gen_new) and each one's prompt length (N,). Odd batches prompt with random windows of
-    gen_prompt tokens; even batches with short windows (4 to gen_prompt tokens) that
-    begin a line, as a user's prompt does, continued to the same total length."""
+def target_continuations(target, tok, train_ids, args) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Text the target writes itself: sequences (N, gen_prompt + gen_new), each one's
+    prompt length (N,) and the temperature it was continued at (N,; 0 is greedy).
+    Batches cycle through greedy, T = 0.7 and T = 1.0 (full law: no top-k, no top-p),
+    and alternate two prompt kinds: random windows of gen_prompt tokens, and short
+    windows (4 to gen_prompt tokens) that begin a line, as a user's prompt does,
+    continued to the same total length."""
     target.eval()
     batches = Batches(train_ids, args.seed + 3)
     starts = torch.from_numpy(line_starts(tok, train_ids))
     gen = torch.Generator().manual_seed(args.seed + 6)
+    torch.manual_seed(args.seed + 10)  # generate() samples from the global generator
     stream = torch.from_numpy(train_ids)
     total = args.gen_prompt + args.gen_new
-    sequences, prompt_lens = [], []
+    sequences, prompt_lens, temps = [], [], []
     start = time.time()
     for i in range(args.continuation_batches):
         if i % 2:
@@ -264,14 +286,17 @@ def greedy_continuations(target, tok, train_ids, args) -> Tuple[torch.Tensor, to
             length = int(torch.randint(4, args.gen_prompt + 1, (1,), generator=gen))
             picks = starts[torch.randint(0, len(starts) - 1, (args.gen_batch,), generator=gen)]
             prompts = torch.stack([stream[s : s + length] for s in picks.tolist()])
+        temp = CONTINUATION_TEMPS[i % len(CONTINUATION_TEMPS)]
+        sampling = dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp else dict(do_sample=False)
         new = total - prompts.shape[1]
         out = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0, **sampling)
         sequences.append(out)
         prompt_lens.append(torch.full((len(out),), prompts.shape[1]))
-        if i % 4 == 0:
+        temps.append(torch.full((len(out),), temp))
+        if i % 6 == 0:
             log(f"continuations {i + 1}/{args.continuation_batches} ({time.time() - start:.0f} s)")
-    return torch.cat(sequences), torch.cat(prompt_lens)
+    return torch.cat(sequences), torch.cat(prompt_lens), torch.cat(temps)
 
 
 def continuation_mask(prompt_lens: torch.Tensor, length: int) -> torch.Tensor:
@@ -279,25 +304,44 @@ def continuation_mask(prompt_lens: torch.Tensor, length: int) -> torch.Tensor:
     return torch.arange(1, length)[None] >= prompt_lens[:, None]
 
 
-def distill_step(draft, target, opt, batch) -> float:
-    """KL(target || draft) on every position of `batch`."""
-    with torch.no_grad(), autocast():
-        teacher = target(input_ids=batch).logits.float()
-    with autocast():
-        student = draft(input_ids=batch).logits.float()
-    loss = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
-    loss = loss / batch.shape[1]  # batchmean divides by the batch only: per token
-    return optimizer_step(draft, opt, loss)
+@torch.no_grad()
+def teacher_top_k(target, sequences: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token law at every position of `sequences` (N, L), kept as its k
+    most likely tokens: log-probabilities (N, L - 1, k) float16 and ids (N, L - 1, k)
+    int16. One target forward per chunk here, so distillation steps need none (the
+    full laws of 4096 tokens would not fit in memory)."""
+    log_probs, ids = [], []
+    for chunk in sequences.split(32):
+        with autocast():
+            logits = target(input_ids=chunk[:, :-1]).logits.float()
+        top = F.log_softmax(logits, -1).topk(k, dim=-1)
+        log_probs.append(top.values.to(torch.float16))
+        ids.append(top.indices.to(torch.int16))
+    return torch.cat(log_probs), torch.cat(ids)
 
 
-def greedy_step(draft, opt, sequences, prompt_lens) -> float:
-    """Cross-entropy on the target's greedy tokens: they are its argmax, so no target
-    forward is needed."""
+def top_k_kl(student_logits: torch.Tensor, teacher_log_probs: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """KL(target || draft) over the partition {each of the target's top k tokens, all the
+    rest as one outcome}: student_logits (B, T, V), teacher (B, T, k) -> a scalar, mean per
+    position. It lower-bounds the full KL and still pulls the draft's tail mass to the
+    target's, which speculative sampling at T = 1 needs (there the tail is accepted too)."""
+    log_q = F.log_softmax(student_logits, -1)
+    log_q_top = log_q.gather(-1, teacher_ids.long())  # (B, T, k)
+    log_p_top = teacher_log_probs.float()
+    p_top = log_p_top.exp()
+    p_rest = (1 - p_top.sum(-1)).clamp(min=0)  # (B, T)
+    # log(1 - sum q_top), kept finite where the draft puts (almost) all its mass on the top k
+    log_q_rest = torch.log1p(-log_q_top.exp().sum(-1).clamp(max=1 - 1e-6))
+    log_p_rest = torch.log(p_rest.clamp(min=1e-12))
+    kl = (p_top * (log_p_top - log_q_top)).sum(-1) + p_rest * (log_p_rest - log_q_rest)
+    return kl.mean()
+
+
+def soft_step(draft, opt, sequences, teacher_log_probs, teacher_ids) -> float:
+    """One step of top_k_kl on every position (prompt and continuation) of `sequences`."""
     with autocast():
         logits = draft(input_ids=sequences[:, :-1]).logits.float()
-    mask = continuation_mask(prompt_lens, sequences.shape[1])
-    loss = F.cross_entropy(logits[mask], sequences[:, 1:][mask])
-    return optimizer_step(draft, opt, loss)
+    return optimizer_step(draft, opt, top_k_kl(logits, teacher_log_probs, teacher_ids))
 
 
 def optimizer_step(draft, opt, loss) -> float:
@@ -305,23 +349,33 @@ def optimizer_step(draft, opt, loss) -> float:
     torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
-def greedy_agreement(draft, target, sequences: torch.Tensor, prompt_lens: torch.Tensor) -> float:
-    """Fraction of continuation positions where the draft's argmax is the target's."""
+def held_out_agreement(draft, target, sequences: torch.Tensor, prompt_lens: torch.Tensor,
+                       temps: torch.Tensor) -> dict:
+    """On the continuation positions of held-out sequences: the fraction where the draft's
+    argmax is the target's (greedy ones), and mean sum_x min(p_T, q_T) on the ones
+    sampled at T, both laws scaled by that T (what speculative sampling accepts)."""
     draft.eval()
-    hits = total = 0
-    for chunk, lens in zip(sequences.split(16), prompt_lens.split(16)):
+    sums, counts = {}, {}
+    for chunk, lens, chunk_temps in zip(sequences.split(16), prompt_lens.split(16), temps.split(16)):
         with autocast():
-            d = draft(input_ids=chunk).logits.argmax(-1)[:, :-1]
-            t = target(input_ids=chunk).logits.argmax(-1)[:, :-1]
+            d = draft(input_ids=chunk).logits.float()[:, :-1]
+            t = target(input_ids=chunk).logits.float()[:, :-1]
         mask = continuation_mask(lens, chunk.shape[1])
-        hits += int((d == t)[mask].sum())
-        total += int(mask.sum())
+        for temp in chunk_temps.unique().tolist():
+            rows = mask & (chunk_temps == temp)[:, None]
+            if temp == 0:
+                name, values = "greedy_agreement", (d.argmax(-1) == t.argmax(-1)).float()
+            else:
+                name = f"min_pq_T{temp:g}"
+                values = torch.minimum(F.softmax(d / temp, -1), F.softmax(t / temp, -1)).sum(-1)
+            sums[name] = sums.get(name, 0.0) + float(values[rows].sum())
+            counts[name] = counts.get(name, 0) + int(rows.sum())
     draft.train()
-    return hits / total
+    return {name: sums[name] / counts[name] for name in sorted(sums)}
 
 
 def train_draft(target, tok, train_ids, args):
@@ -329,45 +383,45 @@ def train_draft(target, tok, train_ids, args):
 
     for p in target.parameters():
         p.requires_grad_(False)
+    target.eval()
     torch.manual_seed(args.seed + 2)
     draft = Qwen3ForCausalLM(Qwen3Config(**DRAFT_CONFIG))
     params = sum(p.numel() for p in draft.parameters())
     log(f"draft: {params / 1e6:.2f}M parameters")
     start = time.time()
-    continuations, prompt_lens = greedy_continuations(target, tok, train_ids, args)
-    gen_minutes = (time.time() - start) / 60
-    # Held out: one batch of each prompt kind.
-    held = torch.zeros(len(continuations), dtype=torch.bool)
-    held[: 2 * args.gen_batch] = True
-    held_out, held_out_lens = continuations[held], prompt_lens[held]
-    continuations, prompt_lens = continuations[~held], prompt_lens[~held]
-    num_new = int(continuation_mask(prompt_lens, continuations.shape[1]).sum())
-    log(f"{num_new} continuation tokens in {gen_minutes:.1f} min")
+    sequences, prompt_lens, temps = target_continuations(target, tok, train_ids, args)
+    # Held out: the first batch of each (prompt kind, temperature).
+    held = torch.zeros(len(sequences), dtype=torch.bool)
+    held[: 2 * len(CONTINUATION_TEMPS) * args.gen_batch] = True
+    held_out = sequences[held], prompt_lens[held], temps[held]
+    sequences, prompt_lens = sequences[~held], prompt_lens[~held]
+    num_new = int(continuation_mask(prompt_lens, sequences.shape[1]).sum())
+    # Corpus text too: windows as long as the continuations, with the target's laws.
+    corpus = Batches(train_ids, args.seed + 4)(args.corpus_windows, sequences.shape[1] - 1)
+    sequences = torch.cat([sequences, corpus])
+    log(f"{num_new} continuation tokens and {corpus.numel()} corpus tokens in {(time.time() - start) / 60:.1f} min")
+    teacher_log_probs, teacher_ids = teacher_top_k(target, sequences, args.teacher_top_k)
+    log(f"teacher laws (top {args.teacher_top_k}) in {(time.time() - start) / 60:.1f} min")
 
-    total = args.draft_corpus_steps + args.draft_greedy_steps
+    steps = args.draft_steps
     opt = torch.optim.AdamW(draft.parameters(), lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    batches = Batches(train_ids, args.seed + 4)
     gen = torch.Generator().manual_seed(args.seed + 5)
     draft.train()
     history = []
-    for step in range(total):
+    for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, total, args.draft_lr, args.warmup)
-        if step < args.draft_corpus_steps:  # KL on corpus text
-            loss = distill_step(draft, target, opt, batches(args.batch, args.seq_len)[:, :-1])
-        else:  # the target's greedy continuations
-            rows = torch.randint(0, len(continuations), (2 * args.batch,), generator=gen)
-            loss = greedy_step(draft, opt, continuations[rows], prompt_lens[rows])
-        history.append(loss)
-        if step % 25 == 0 or step == total - 1:
-            log(f"draft step {step}/{total} loss {np.mean(history[-25:]):.3f}")
+            group["lr"] = lr_at(step, steps, args.draft_lr, args.warmup)
+        rows = torch.randint(0, len(sequences), (2 * args.batch,), generator=gen)
+        history.append(soft_step(draft, opt, sequences[rows], teacher_log_probs[rows], teacher_ids[rows]))
+        if step % 25 == 0 or step == steps - 1:
+            log(f"draft step {step}/{steps} top-{args.teacher_top_k} KL {np.mean(history[-25:]):.3f}")
     seconds = time.time() - start
-    agreement = greedy_agreement(draft, target, held_out, held_out_lens)
-    log(f"draft done in {seconds / 60:.1f} min; greedy agreement on held-out continuations {agreement:.3f}")
-    info = dict(parameters=params, corpus_steps=args.draft_corpus_steps, greedy_steps=args.draft_greedy_steps,
-                continuation_tokens=num_new, minutes=seconds / 60,
-                corpus_kl=float(np.mean(history[args.draft_corpus_steps - 25 : args.draft_corpus_steps])),
-                greedy_ce=float(np.mean(history[-50:])), heldout_greedy_agreement=agreement)
+    agreement = held_out_agreement(draft, target, *held_out)
+    log(f"draft done in {seconds / 60:.1f} min; on held-out continuations {agreement}")
+    info = dict(parameters=params, steps=steps, loss="KL(target || draft), target top-k plus the rest",
+                teacher_top_k=args.teacher_top_k, continuation_temperatures=list(CONTINUATION_TEMPS),
+                continuation_tokens=num_new, corpus_tokens=corpus.numel(), minutes=seconds / 60,
+                train_kl=float(np.mean(history[-50:])), heldout=agreement)
     return draft, info
 
 
@@ -525,9 +579,14 @@ def main():
     parser.add_argument("--target-steps", type=int, default=550)
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=3e-3)
-    parser.add_argument("--draft-corpus-steps", type=int, default=150)
-    parser.add_argument("--draft-greedy-steps", type=int, default=3000)
-    parser.add_argument("--continuation-batches", type=int, default=160)
+    parser.add_argument("--draft-steps", type=int, default=1400)
+    parser.add_argument("--continuation-batches", type=int, default=48,
+                        help="batches of target continuations (a multiple of 6: prompt kinds x temperatures)")
+    parser.add_argument("--corpus-windows", type=int, default=512,
+                        help="corpus windows the draft also learns the target's laws on")
+    parser.add_argument("--teacher-top-k", type=int, default=64)
+    parser.add_argument("--precision", choices=["auto", "bf16", "float32"], default="auto",
+                        help="autocast to bf16 or not; auto: bf16 where the CPU has bf16 instructions")
     parser.add_argument("--gen-batch", type=int, default=32)
     parser.add_argument("--gen-prompt", type=int, default=32)
     parser.add_argument("--gen-new", type=int, default=96)
@@ -535,6 +594,11 @@ def main():
     parser.add_argument("--mtp-lr", type=float, default=2e-3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.continuation_batches % 6:
+        raise ValueError(f"--continuation-batches {args.continuation_batches} is not a multiple of 6 "
+                         "(2 prompt kinds x 3 temperatures)")
+    BF16["enabled"] = args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16())
+    log(f"autocast to bf16: {BF16['enabled']}")
     target_dir, draft_dir = args.out / TARGET_NAME, args.out / DRAFT_NAME
     log_path = args.out / "training_log.json"
     started = time.time()
@@ -571,6 +635,7 @@ def main():
         summary["target"]["val_loss_float16_weights"] = eval_loss(target, val_ids)
         draft, summary["draft"] = train_draft(target, tok, train_ids, args)
         summary["draft"]["bytes"] = save(draft, tokenizer, draft_dir)
+        summary["draft"]["bf16_autocast"] = BF16["enabled"]
     if args.stage != "draft":
         head, summary["mtp"] = train_mtp(target, train_ids, val_ids, args)
         summary["mtp"]["target_bytes_with_head"] = save_mtp(head, target_dir)
