@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+import mlx_lm  # noqa: F401  (first, so that MLX binds the fast BLAS it loads: fast_blas.py)
+
 # Tests never touch the network; helper modules live beside the tests.
 os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
@@ -11,6 +13,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import TINY_CONFIGS, write_checkpoint  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def cold_draft_lengths():
+    """Every test starts with no learned draft lengths (draft_length.DRAFT_LENGTHS is
+    process-wide): what it asserts must not depend on the tests that ran before."""
+    from mlx_lm.draft_length import DRAFT_LENGTHS
+
+    DRAFT_LENGTHS.forget()
+    yield
 
 
 @pytest.fixture(scope="session")

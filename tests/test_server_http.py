@@ -26,6 +26,7 @@ from server_harness import write_server_models, start_server
 from mlx_lm.generate import generate
 from mlx_lm.openai_api import RequestError, ServerDefaults
 from mlx_lm.server import APIServer, setup_arg_parser
+from mlx_lm.metrics import Metrics
 from mlx_lm.serving import Job
 from mlx_lm.utils import load
 
@@ -364,7 +365,7 @@ class _Worker:
     """Takes jobs and never answers them; `alive` as given."""
 
     def __init__(self, alive=True):
-        self.alive, self.jobs = alive, []
+        self.alive, self.jobs, self.metrics = alive, [], Metrics()
 
     def submit(self, job):
         self.jobs.append(job)
