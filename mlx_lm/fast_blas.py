@@ -26,6 +26,7 @@ from typing import Optional
 OPT_OUT = "MLX_LM_REFERENCE_BLAS"
 _loaded: Optional[ctypes.CDLL] = None  # libmkl_rt, once loaded
 _skipped = ""  # why it was not loaded
+_sequential = False  # whether it was set to run sequentially (MKL's threading layers: 1)
 
 
 def _mkl_library() -> Optional[Path]:
@@ -45,7 +46,7 @@ def _mkl_library() -> Optional[Path]:
 def load_fast_blas() -> None:
     """Load MKL for MLX's CPU matrix products, if it can still take effect (see the
     module docstring); safe to call more than once."""
-    global _loaded, _skipped
+    global _loaded, _skipped, _sequential
     if _loaded is not None or _skipped:
         return
     if not sys.platform.startswith("linux"):
@@ -59,12 +60,15 @@ def load_fast_blas() -> None:
         if library is None:
             _skipped = "the mkl wheel is not installed"
             return
-        if "MKL_NUM_THREADS" not in os.environ or os.environ["MKL_NUM_THREADS"] == "1":
-            os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
         try:
             _loaded = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             _skipped = f"{library.name} did not load ({e})"
+            return
+        # Set through its API, not the environment, which child processes would inherit.
+        if "MKL_THREADING_LAYER" not in os.environ and os.environ.get("MKL_NUM_THREADS", "1") == "1":
+            _loaded.MKL_Set_Threading_Layer(1)  # MKL_THREADING_SEQUENTIAL
+            _sequential = True
 
 
 class _SymbolInfo(ctypes.Structure):  # dladdr's Dl_info
@@ -97,7 +101,7 @@ def blas_in_use() -> str:
         mkl = ctypes.CDLL(library)
         buffer = ctypes.create_string_buffer(256)
         mkl.mkl_get_version_string(buffer, len(buffer))
-        layer = os.environ.get("MKL_THREADING_LAYER", "INTEL").lower()
+        layer = "sequential" if _sequential else os.environ.get("MKL_THREADING_LAYER", "INTEL").lower()
         threads = 1 if layer == "sequential" else mkl.mkl_get_max_threads()
         version = re.search(r"Version ([\d.]+)", buffer.value.decode(errors="replace"))
         name = f"Intel MKL {version.group(1)}" if version else "Intel MKL"

@@ -4,8 +4,6 @@ from pathlib import Path
 
 import pytest
 
-import mlx_lm  # noqa: F401  (first, so that MLX binds the fast BLAS it loads: fast_blas.py)
-
 # Tests never touch the network; helper modules live beside the tests.
 os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))

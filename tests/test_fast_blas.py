@@ -32,8 +32,9 @@ print(json.dumps({{"blas": fast_blas.blas_in_use(), "library": fast_blas.cblas_l
 def run(first="import mlx_lm", **env):
     """What a fresh interpreter reports after one product: its stdout lines before the
     report, and the report."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("MKL_") and k != OPT_OUT}
     result = subprocess.run([sys.executable, "-c", PRODUCT.format(first=first)], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, **env}, check=True)
+                            timeout=120, env={**inherited, **env}, check=True)
     *before, report = result.stdout.strip().splitlines()
     return before, json.loads(report)
 

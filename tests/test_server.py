@@ -368,7 +368,8 @@ def test_metrics_move_with_requests(dense_server):
     assert moved("mlx_lm_generated_tokens_total") == sum(a.usage.completion_tokens for a in answers)
     assert moved("mlx_lm_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
     specs = [speculation(a.usage) for a in answers]
-    assert moved("mlx_lm_draft_tokens_total") == sum(s["num_drafted"] for s in specs) > 0
+    # (> 0 not asked: the server's policy may rightly have stopped drafting this draft)
+    assert moved("mlx_lm_draft_tokens_total") == sum(s["num_drafted"] for s in specs)
     assert moved("mlx_lm_draft_accepted_tokens_total") == sum(s["num_accepted"] for s in specs)
     for depth in (1, 2):  # (a request may have drafted nothing, or not that deep)
         for counts in ("drafted_at_depth", "accepted_at_depth"):
