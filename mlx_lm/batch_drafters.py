@@ -76,10 +76,8 @@ class BatchDraftModel:
     def filter(self, keep: List[int]) -> None:
         pass
 
-    def plain_step(self, cache: List[Any], fed: mx.array, sampled: mx.array, hidden: Optional[mx.array]) -> None:
+    def plain_step(self, fed: mx.array, sampled: mx.array, hidden: Optional[mx.array]) -> None:
         self.lag.append(fed)  # fed when it next drafts (catch_up), or once MAX_LAG wait
-        if len(self.lag) >= MAX_LAG:
-            self.catch_up(cache)
 
     def catch_up(self, cache: List[Any]) -> None:
         """Feed the tokens plain steps gave the target alone, in one forward (every
@@ -201,10 +199,8 @@ class BatchMTPHead:
         at = mx.array(keep, dtype=mx.int32)
         self.pending = (mx.take(self.pending[0], at, axis=0), mx.take(self.pending[1], at, axis=0))
 
-    def plain_step(self, cache: List[Any], fed: mx.array, sampled: mx.array, hidden: mx.array) -> None:
+    def plain_step(self, fed: mx.array, sampled: mx.array, hidden: mx.array) -> None:
         self.lag.append((sampled[:, None], hidden, None))
-        if len(self.lag) >= MAX_LAG:
-            self.catch_up(cache)
 
     def catch_up(self, cache: List[Any]) -> None:
         """Feed the pending pairs and every pair in the lag but each row's last, which

@@ -44,7 +44,7 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Seque
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_drafters import BatchDraftModel, BatchMTPHead
+from .batch_drafters import MAX_LAG, BatchDraftModel, BatchMTPHead
 from .draft_length import DRAFT_LENGTHS, AcceptanceEstimate, BatchDraftLengthPolicy, LearnedBatchDraftLength
 from .drafters import DEFAULT_PREFILL_STEP_SIZE, PromptLookup
 from .models.batch_cache import (
@@ -505,8 +505,10 @@ class BatchGenerator:
         make_room(self._caches[: self._num_target], 1)
         hidden, logits = self._target(fed[:, None], self._caches[: self._num_target])
         self._tokens, logprobs = self._sample(logits[:, -1, :])  # (B,), (B, V)
-        if self._drafter is not None:  # it gets what it missed when it next drafts (catch_up)
-            self._drafter.plain_step(self._caches[self._num_target :], fed, self._tokens, hidden)
+        if self._drafter is not None:  # it gets what it missed when it next drafts, or after MAX_LAG
+            self._drafter.plain_step(fed, self._tokens, hidden)
+            if len(self._drafter.lag) >= MAX_LAG:
+                self._catch_up()
         mx.async_eval(self._tokens, logprobs, bookkeeping(self._caches))
         self._logprobs = [logprobs[i] for i in range(len(self._active))]
         self._emit = [True] * len(self._active)

@@ -543,8 +543,9 @@ def run(args: argparse.Namespace) -> str:
         kwargs["drafter"] = PromptLookup(args.max_ngram_size, context=context)
     if verbose:
         print(f"Compute dtype: {parameter_dtypes(model)} ({compute_dtype(args.dtype)[1]})")
-        if blas_line() is not None:
-            print(blas_line())
+        line = blas_line()
+        if line is not None:
+            print(line)
         if group.size() > 1:
             print(f"Tensor parallel over {group.size()} ranks: {parameter_bytes(model) / 1e9:.3f} GB of "
                   "weights on rank 0")

@@ -743,8 +743,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         distributed_serving.agree_on_cache_bytes(server.provider, group)
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
-    if blas_line() is not None:
-        log.info(blas_line())
+    line = blas_line()
+    if line is not None:
+        log.info(line)
     # A server under mlx.launch serves one request at a time (distributed_serving.py).
     if group.size() == 1 and args.max_batch_size > 1:
         try:
