@@ -24,9 +24,10 @@ draft-length policy, draft_length.BatchDraftLengthPolicy, finds fastest: K = 0 i
 step, pipelined, which the drafter sits out), one forward verifies every row's
 token and drafts (padded to the longest), each row accepts by its own rule (greedy:
 the agreeing prefix of the argmax; sampling: the agreeing prefix of its own draws, which
-for point-mass drafts is speculative sampling, so the law is the target's) and rolls back its own rejected tokens (`trim_rows`: KV
-columns become holes, recurrent states are replayed from the layers' records). Rows
-with logits processors decode plainly in the same forward. With a drafter on the
+for point-mass drafts is speculative sampling, so the law is the target's) and rolls
+back its own rejected tokens (`trim_rows`: KV columns become holes, recurrent states
+are replayed from the layers' records). Rows with logits processors decode plainly in
+the same forward. With a drafter on the
 device, a round is queued (its drafts and verify computing) as soon as the previous
 one is decided, before that one's tokens are returned, unless rows wait to join; a
 removal or a cache copy between steps undoes the queued round first.
