@@ -514,7 +514,15 @@ def test_logits_processors_apply_as_in_plain_generation():
 
 
 @pytest.mark.parametrize("target_name", ["llama_tf4", "qwen3_next_tf5"])
-def test_adaptive_draft_length_keeps_greedy_output_and_stops_drafting_for_a_useless_draft(target_name):
+def test_adaptive_draft_length_keeps_greedy_output_and_stops_drafting_for_a_useless_draft(target_name, monkeypatch):
+    from mlx_lm.draft_length import DraftLengthPolicy
+
+    # A deterministic clock (a round drafting k costs 1 + k/2 plain steps): on a loaded
+    # host measured plain steps came out as slow as k = 1 rounds, and a free draft step
+    # then looked worth taking.
+    update = DraftLengthPolicy.update
+    monkeypatch.setattr(DraftLengthPolicy, "update",
+                        lambda self, k, accepted, seconds: update(self, k, accepted, 1 + k / 2))
     target = model(target_name)
     for kind in ("disagreeing", "noisy"):
         stats = SpeculationStats()
