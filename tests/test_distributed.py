@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from checkpoints import TINY_CONFIGS, write_checkpoint
+from family_checks import family_specs
 from mlx_lm.generate import generate
 from mlx_lm.generate import main as generate_main
 from mlx_lm.models import sharding
@@ -60,6 +61,9 @@ LOGIT_CONFIGS = {
                        mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_rms_norm=True,
                        ssm_multipliers=[0.5, 1.2, 0.8, 1.1, 0.9]), False],
 }
+
+# The families with a shared-checks module (family_checks.py), by their tiny configs.
+LOGIT_CONFIGS.update({name: [family.tiny, False] for name, family in family_specs().items()})
 
 
 class FakeGroup:
