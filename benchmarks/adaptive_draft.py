@@ -2,7 +2,7 @@
 good draft (the demo's distilled draft) and a useless one (the same architecture with
 random weights), in one run.
 
-    python benchmarks/adaptive_draft.py [--tokens 80] [--reps 3] [--cap 4] [--blas auto|openblas|reference]
+    python benchmarks/adaptive_draft.py [--tokens 80] [--reps 3] [--cap 4] [--blas default|reference]
 
 Issue 14's goals: with a useless draft the defaults stay >= 0.9x plain; with a good one
 they are within 5% of the best fixed k (or faster). Configurations run back to back in
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 from gdn_prefill import RESULTS  # noqa: E402
 from cpu_dtype import tokens_per_second  # noqa: E402
-from spec_bench import DRAFT, PROMPTS, TARGET, loaded_blas, reexec_with_blas  # noqa: E402
+from spec_bench import DRAFT, PROMPTS, TARGET, BLAS_CHOICES, loaded_blas, reexec_with_blas  # noqa: E402
 
 
 def random_copy(draft):
@@ -42,7 +42,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=80)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cap", type=int, default=4, help="num_draft_tokens: the adaptive cap and the largest fixed k")
-    parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
+    parser.add_argument("--blas", choices=BLAS_CHOICES, default="default")
     args = parser.parse_args()
     reexec_with_blas(args.blas)
     sys.path.insert(0, str(ROOT))

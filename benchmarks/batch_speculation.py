@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_bench import DEMO_DRAFT, DEMO_TARGET, RESULTS, machine, pyplot  # noqa: E402
-from spec_bench import PROMPTS, loaded_blas, reexec_with_blas  # noqa: E402
+from spec_bench import PROMPTS, BLAS_CHOICES, loaded_blas, reexec_with_blas  # noqa: E402
 
 
 def serve(model, prompts, args, **generator_args):
@@ -197,7 +197,7 @@ def report(args, runs, lengths, costs):
     ax.barh(names[::-1], [statistics.median(runs[n]) / plain for n in names[::-1]], color="tab:blue")
     ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("tokens/s / plain batched decoding")
-    ax.set_title(f"{args.clients} clients, demo hybrid target, float32; {loaded_blas().split(' preloaded')[0]}",
+    ax.set_title(f"{args.clients} clients, demo hybrid target, float32; {loaded_blas().split(' (')[0]}",
                  fontsize=7)
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
@@ -210,7 +210,7 @@ def main():
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
+    parser.add_argument("--blas", choices=BLAS_CHOICES, default="default")
     args = parser.parse_args()
     reexec_with_blas(args.blas)
     print(f"BLAS: {loaded_blas()}", flush=True)

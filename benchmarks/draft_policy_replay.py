@@ -1,7 +1,7 @@
 """The adaptive draft length replayed on recorded demo-pair outputs: deterministic,
 so settings can be compared without the machine's noise.
 
-    python benchmarks/draft_policy_replay.py [--tokens 80 160] [--seeds 5] [--blas auto|openblas|reference]
+    python benchmarks/draft_policy_replay.py [--tokens 80 160] [--seeds 5] [--blas default|reference]
 
 1. Record, for each of 8 code prompts and 160 tokens, what a draft at each position
    would do: greedy, whether the draft's argmax equals the target's token (the
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 from gdn_prefill import RESULTS  # noqa: E402
-from spec_bench import DRAFT, PROMPTS, TARGET, loaded_blas, reexec_with_blas  # noqa: E402
+from spec_bench import DRAFT, PROMPTS, TARGET, BLAS_CHOICES, loaded_blas, reexec_with_blas  # noqa: E402
 
 MORE_PROMPTS = ["def quicksort(items):", "def read_json(path):\n    with open(path) as f:",
                 "class Node:\n    def __init__(self, value):", "def is_prime(n):", "for i in range(10):"]
@@ -161,7 +161,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[80, 160])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
+    parser.add_argument("--blas", choices=BLAS_CHOICES, default="default")
     args = parser.parse_args()
     if max(args.tokens) > RECORDED_TOKENS:
         parser.error(f"--tokens at most {RECORDED_TOKENS}, the recorded length")

@@ -1,7 +1,7 @@
 """Speculative decoding on the demo pair (examples/models/): speed, acceptance, the
 theoretical bound, and upstream mlx-lm, side by side in one run.
 
-    python benchmarks/spec_bench.py [--tokens 80] [--reps 3] [--blas auto|openblas|reference]
+    python benchmarks/spec_bench.py [--tokens 80] [--reps 3] [--blas default|reference]
 
 Everything is greedy (argmax), so speculative output must equal plain output token for
 token; every run is checked. A tok/s figure is the generated tokens over the wall time of
@@ -38,10 +38,16 @@ ratio of those paired times, and the median over repetitions counts.
    experts, so the conv1d weights keep the transformers layout); the error is reported
    and both sides then run on one MLX-converted copy of the same weights
    (`mlx_lm.convert`, no quantization).
-The mlx-cpu wheel links the netlib reference BLAS; with OpenBLAS installed (apt-get
-install libopenblas0-pthread) the script re-executes itself with it preloaded, one BLAS
-thread (the machine is shared), and says which BLAS ran. Writes results/spec_bench.md
-and results/spec_bench.png.
+5. Defaults: the speculative call as a user makes it, `num_draft_tokens=3` (the CLI's
+   default cap) and the adaptive draft length, next to the fixed lengths; the policy's
+   process-wide memory (draft_length.DRAFT_LENGTHS) is kept, as in any long-lived
+   process, so after the warm-up it starts warm. Its rounds draft varying lengths, so
+   it has no single-k bound.
+BLAS: by default what `import mlx_lm` gives (fast_blas.py: Intel MKL from the `cpu`
+extra on Linux x86_64, one thread); the upstream child gets the same library by
+LD_PRELOAD. `--blas reference` re-executes with MLX_LM_REFERENCE_BLAS=1 (the wheel's
+netlib BLAS, for both sides). The BLAS line is printed and written. Writes
+results/spec_bench.md and results/spec_bench.png.
 """
 
 import argparse
@@ -58,7 +64,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
-from gdn_prefill import RESULTS, blas_env, find_openblas  # noqa: E402
+from gdn_prefill import RESULTS  # noqa: E402
 from hybrid_decode_vs_upstream import ensure_upstream  # noqa: E402
 
 MODELS = ROOT / "examples" / "models"
@@ -71,7 +77,7 @@ PROMPTS = [
 ]
 SWEEP_K = 4
 SWEEP_P = [0.0, 0.5, 0.7, 0.8, 0.9, 1.0]
-BLAS_MARKER = "SPEC_BENCH_BLAS"
+DEFAULT_CAP = 3  # the CLI's --num-draft-tokens
 
 
 # --- shared by both interpreters (the peer workers) ----------------------------------
@@ -256,12 +262,10 @@ def time_components(timer, names, calls: int, samples: dict) -> None:
             samples.setdefault(name, []).append(timer(name)())
 
 
-def expected_tokens(a: float, k: int) -> float:
-    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
 def bound(a: float, k: int, t: dict) -> float:
     """E[tokens per round] * t_plain / (k draft steps + one (k+1)-token verify)."""
+    from mlx_lm.draft_length import expected_tokens
+
     return expected_tokens(a, k) * t["plain"] / (t[f"draft{k}"] + t[f"verify{k + 1}"])
 
 
@@ -271,7 +275,7 @@ def measure_ours(target, draft, prompts, args) -> dict:
     burst of load on the shared machine hits the run and its bound alike. Each
     repetition gives a speedup, a bound and their ratio (the efficiency); the report
     shows medians over repetitions."""
-    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
 
     ks = list(range(1, args.max_k + 1))
     plain_fn = lambda p: generate_step(p, target, max_tokens=args.tokens)  # noqa: E731
@@ -280,6 +284,7 @@ def measure_ours(target, draft, prompts, args) -> dict:
     sequences = [p + r for p, r in zip(prompts, reference)]
     synthetic = {p: SyntheticDraft(draft, sequences, p, seed=1) for p in SWEEP_P}
     configs = [("k", k, draft) for k in ks] + [("p", p, synthetic[p]) for p in SWEEP_P]
+    configs.append(("defaults", DEFAULT_CAP, draft))
     rows = {(kind, value): {"reps": [], "identical": True} for kind, value, _ in configs}
     timer = component_timers(target, draft, sequences[0][:64])
     all_samples = {}
@@ -289,7 +294,8 @@ def measure_ours(target, draft, prompts, args) -> dict:
     for rep in range(args.reps):
         print(f"rep {rep + 1}/{args.reps}", flush=True)
         for kind, value, draft_model in configs:
-            k = value if kind == "k" else SWEEP_K
+            k, adaptive = SWEEP_K if kind == "p" else value, kind == "defaults"
+            stats = SpeculationStats()
             names = ["plain_forward", f"draft{k}", f"verify{k + 1}"]
             plain_seconds = spec_seconds = 0.0
             outputs, flags, samples = [], [], {}
@@ -300,7 +306,8 @@ def measure_ours(target, draft, prompts, args) -> dict:
                 if isinstance(draft_model, SyntheticDraft):
                     draft_model.current = i
                 spec_fn = lambda p: speculative_generate_step(  # noqa: E731
-                    p, target, draft_model, num_draft_tokens=k, adaptive_draft_length=False, max_tokens=args.tokens)
+                    p, target, draft_model, num_draft_tokens=k, adaptive_draft_length=adaptive, max_tokens=args.tokens,
+                    stats=stats)
                 seconds, out, fl = timed_generation(spec_fn, [prompt], args.tokens)
                 spec_seconds += seconds
                 outputs += out
@@ -308,22 +315,29 @@ def measure_ours(target, draft, prompts, args) -> dict:
                 time_components(timer, names, args.calls, samples)
             row = rows[(kind, value)]
             row["identical"] &= outputs == reference
-            row.update(round_stats(flags, k, args.tokens), k=k)
             t = {name: statistics.median(v) for name, v in samples.items()}
             t["plain"] = plain_seconds / num_tokens
-            speedup, limit = plain_seconds / spec_seconds, bound(row["per_token"], k, t)
+            if adaptive:  # rounds of varying length: counts from the stats, no single-k bound
+                row.update(rate=stats.acceptance_rate, per_token=None, tokens_per_round=stats.tokens_per_forward,
+                           rounds=stats.num_target_forwards, k=k)
+                limit = None
+            else:
+                row.update(round_stats(flags, k, args.tokens), k=k)
+                limit = bound(row["per_token"], k, t)
+            speedup = plain_seconds / spec_seconds
             row["reps"].append(dict(plain=plain_seconds, spec=spec_seconds, speedup=speedup, bound=limit))
             for name, v in samples.items():
                 all_samples.setdefault(name, []).extend(v)
             print(f"  {kind}={value}: plain {num_tokens / plain_seconds:.1f} tok/s, "
-                  f"speculative {num_tokens / spec_seconds:.1f} tok/s (x{speedup:.2f}, bound x{limit:.2f}), "
+                  f"speculative {num_tokens / spec_seconds:.1f} tok/s (x{speedup:.2f}, bound x{fmt(limit)}), "
                   f"acceptance {row['rate']:.2f}, identical {outputs == reference}", flush=True)
     plain_per_token = []
     for row in rows.values():
         reps = row.pop("reps")
         row["speedup"] = statistics.median(r["speedup"] for r in reps)
-        row["bound"] = statistics.median(r["bound"] for r in reps)
-        row["efficiency"] = statistics.median(r["speedup"] / r["bound"] for r in reps)
+        bounded = [r for r in reps if r["bound"] is not None]
+        row["bound"] = statistics.median(r["bound"] for r in bounded) if bounded else None
+        row["efficiency"] = statistics.median(r["speedup"] / r["bound"] for r in bounded) if bounded else None
         row["plain_tok_s"] = num_tokens / statistics.median(r["plain"] for r in reps)
         row["spec_tok_s"] = num_tokens / statistics.median(r["spec"] for r in reps)
         plain_per_token += [r["plain"] / num_tokens for r in reps]
@@ -354,7 +368,7 @@ def float32_plain(path: Path, prompts, tokens: int) -> dict:
 
 def run_worker(python: str, spec: dict) -> dict:
     out = subprocess.run([python, __file__, "--worker", json.dumps(spec)], capture_output=True,
-                         text=True, cwd=tempfile.gettempdir())  # cwd: never import ./mlx_lm by accident
+                         text=True, cwd=tempfile.gettempdir(), env=peer_env())  # cwd: never import ./mlx_lm
     if out.returncode:
         return {"error": f"worker exited {out.returncode}: {out.stderr.strip().splitlines()[-1:]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -418,16 +432,27 @@ def measure_peer(prompts, args, scratch: Path) -> list:
 # --- report --------------------------------------------------------------------------
 
 
+BLAS_CHOICES = ["default", "reference"]
+
+
 def loaded_blas() -> str:
-    """Which BLAS MLX calls: a preloaded OpenBLAS overrides the wheel's libblas."""
-    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
-    libs = {line.split()[-1] for line in maps.splitlines() if "blas" in line.lower() and "/" in line}
-    wheel = next((Path(lib).name for lib in libs if "mlx" in lib), "libblas")
-    preloaded = os.environ.get("LD_PRELOAD")
-    if preloaded and any(Path(lib).resolve() == Path(preloaded).resolve() for lib in libs):
-        settings = ", ".join(f"{k}={os.environ[k]}" for k in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS") if k in os.environ)
-        return f"OpenBLAS {preloaded} preloaded over the mlx-cpu wheel's {wheel}" + (f" ({settings})" if settings else "")
-    return f"the mlx-cpu wheel's reference BLAS ({wheel})"
+    """The BLAS MLX computes with here (fast_blas.blas_in_use), mlx_lm imported first."""
+    import mlx_lm  # noqa: F401  (loads the fast BLAS unless mlx.core came first)
+    from mlx_lm.fast_blas import blas_in_use
+
+    return blas_in_use()
+
+
+def peer_env() -> dict:
+    """The environment of the peer children: the BLAS this process computes with, by
+    LD_PRELOAD (upstream does not load one itself), MKL kept to one thread as here."""
+    from mlx_lm.fast_blas import cblas_library
+
+    env = dict(os.environ)
+    library = cblas_library()
+    if library and "mkl" in Path(library).name:
+        env["LD_PRELOAD"], env["MKL_THREADING_LAYER"] = library, "SEQUENTIAL"
+    return env
 
 
 def model_line(path: Path, model) -> str:
@@ -450,7 +475,7 @@ def goal_lines(ours, peer) -> list:
     rows = ours["rows"]
     demo = {v: r for (kind, v), r in rows.items() if kind == "k"}
     best_k = max(demo, key=lambda k: demo[k]["speedup"])
-    efficiencies = [r["efficiency"] for r in rows.values()]
+    efficiencies = [r["efficiency"] for r in rows.values() if r["efficiency"] is not None]
     at = demo.get(SWEEP_K, demo[best_k])
     lines = [
         "## Goals (issue 7)",
@@ -458,6 +483,8 @@ def goal_lines(ours, peer) -> list:
         f"- acceptance at k={at['k']} >= 60%: **{at['rate']:.1%}**",
         f"- speculative >= 1.5x plain: **{at['speedup']:.2f}x** at k={at['k']}, "
         f"best **{demo[best_k]['speedup']:.2f}x** at k={best_k}",
+        f"- defaults (adaptive, cap {DEFAULT_CAP}): **{rows[('defaults', DEFAULT_CAP)]['speedup']:.2f}x** plain, "
+        f"{rows[('defaults', DEFAULT_CAP)]['speedup'] / demo[best_k]['speedup']:.2f} of the best fixed k",
         f"- token-identical to plain decoding: **{all(r['identical'] for r in rows.values())}** (every run)",
         f"- efficiency >= 90% of the bound: median **{statistics.median(efficiencies):.0%}**, "
         f"range {min(efficiencies):.0%} to {max(efficiencies):.0%} over the k and p rows",
@@ -498,6 +525,11 @@ def write_report(ours, peer, header, tokenizer, args) -> str:
             f"{r['spec_tok_s']:.1f} | **{r['speedup']:.2f}x** | {r['bound']:.2f}x | {r['efficiency']:.0%} | "
             f"{t[f'verify{k + 1}'] / t['plain']:.2f} | {r['identical']} |"
         )
+    r = rows[("defaults", DEFAULT_CAP)]
+    lines.append(
+        f"| defaults (adaptive, cap {DEFAULT_CAP}) | {r['rate']:.1%} | - | {r['tokens_per_round']:.2f} | "
+        f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | **{r['speedup']:.2f}x** | - | - | - | {r['identical']} |"
+    )
     lines += [
         "",
         f"Component times (ms): plain decoding {t['plain'] * 1e3:.2f} per token (t_plain of the bound); "
@@ -588,12 +620,9 @@ def write_plot(ours) -> None:
 
 
 def reexec_with_blas(choice: str) -> None:
-    if os.environ.get(BLAS_MARKER) or choice == "reference" or (choice == "auto" and not find_openblas()):
-        return
-    env = blas_env("openblas")
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env[BLAS_MARKER] = "1"
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    """--blas reference: run again with the library's fast BLAS turned off."""
+    if choice == "reference" and os.environ.get("MLX_LM_REFERENCE_BLAS") != "1":
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, MLX_LM_REFERENCE_BLAS="1"))
 
 
 def main():
@@ -606,7 +635,8 @@ def main():
     parser.add_argument("--peer-rounds", type=int, default=4, help="alternating child-process rounds per side")
     parser.add_argument("--peer-reps", type=int, default=3, help="timed repetitions in each child (median)")
     parser.add_argument("--no-peer", action="store_true", help="skip upstream mlx-lm")
-    parser.add_argument("--blas", choices=["auto", "openblas", "reference"], default="auto")
+    parser.add_argument("--blas", choices=BLAS_CHOICES, default="default",
+                        help="default: what import mlx_lm loads (MKL on Linux x86_64); reference: the wheel's BLAS")
     parser.add_argument("--target", type=Path, default=TARGET, help="target checkpoint (default: the demo's)")
     parser.add_argument("--draft", type=Path, default=DRAFT, help="draft checkpoint (default: the demo's)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -618,9 +648,9 @@ def main():
         return
     reexec_with_blas(args.blas)
     sys.path.insert(0, str(ROOT))
-    import mlx.core as mx
-    from mlx_lm import load
+    from mlx_lm import load  # first: it loads the fast BLAS before mlx.core
 
+    import mlx.core as mx
     target, tokenizer = load(str(args.target), dtype=args.dtype)
     draft, _ = load(str(args.draft), dtype=args.dtype)
     prompts = [tokenizer.encode(p) for p in PROMPTS]

@@ -57,6 +57,7 @@ def main():
     blas = blas_in_use()
     dtype = parameter_dtypes(target)
     print(f"BLAS: {blas}; dtype {dtype}", flush=True)
+    load_before = os.getloadavg()[0]
     greedy, sampled = make_sampler(), make_sampler(0.7, top_p=0.95)
 
     # config: (case, mode, k); mode: plain, cold, warm, fixed
@@ -109,7 +110,8 @@ def main():
         f"# Draft-length policy cold vs warm, short calls ({args.label})",
         "",
         f"- BLAS: {blas}; compute dtype {dtype}",
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores shared with other agents, mlx {mx.__version__}",
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores, load average {load_before:.2f} before the run and "
+        f"{os.getloadavg()[0]:.2f} after (1 min; other users of the machine add to it), mlx {mx.__version__}",
         f"- {len(prompts)} prompts x {args.tokens} tokens a call (MTP: {args.mtp_tokens}), {args.reps} repetitions "
         f"interleaved ({(time.time() - started) / 60:.1f} min); ratios per repetition, then the median",
         "- command: `" + "".join(f"{k}={os.environ[k]} " for k in ("MLX_LM_REFERENCE_BLAS", "MKL_NUM_THREADS")
