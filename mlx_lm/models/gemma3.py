@@ -230,10 +230,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class = Attention  # gemma2 swaps in its soft-capped attention
+
     def __init__(self, args: TextModelArgs, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
-        self.self_attn = Attention(args, layer_type)
+        self.self_attn = self.attention_class(args, layer_type)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         dim, eps = args.hidden_size, args.rms_norm_eps
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(dim, eps), RMSNorm(dim, eps)
@@ -245,11 +247,13 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
+    layer_class = DecoderLayer  # gemma2 swaps in its own
+
     def __init__(self, args: TextModelArgs):
         super().__init__()
         self.hidden_size, self.sliding_window = args.hidden_size, args.sliding_window
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, layer_type) for layer_type in args.layer_types]
+        self.layers = [self.layer_class(args, layer_type) for layer_type in args.layer_types]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
@@ -269,11 +273,13 @@ class TextModel(nn.Module):
 class LanguageModel(nn.Module):
     """gemma3_text (Gemma3ForCausalLM): `model.*` and, unless tied, `lm_head`."""
 
+    backbone_class = TextModel  # gemma2 swaps in its own
+
     def __init__(self, args: TextModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = TextModel(args)
+        self.model = self.backbone_class(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
