@@ -3,6 +3,7 @@
 import glob
 import importlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -69,13 +70,43 @@ def get_model_path(path_or_hf_repo: str, revision: Optional[str] = None, *, with
         raise FileNotFoundError(f"Could not fetch model {path_or_hf_repo!r} from the Hugging Face hub: {e}") from e
 
 
+# transformers 5 writes a non-finite float as {"__float__": "Infinity"} so that
+# config.json stays valid JSON for every parser; read it back as the float it is.
+_FLOAT_TAG = "__float__"
+_TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def decode_tagged_floats(value: Any) -> Any:
+    """`value` (parsed JSON) with every {"__float__": "Infinity" | "-Infinity" | "NaN"}
+    replaced by its float; any other object, even one with a "__float__" key, kept."""
+    if isinstance(value, dict):
+        if set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _TAGGED_FLOATS:
+            return _TAGGED_FLOATS[value[_FLOAT_TAG]]
+        return {k: decode_tagged_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_tagged_floats(v) for v in value]
+    return value
+
+
+def encode_tagged_floats(value: Any) -> Any:
+    """The inverse of decode_tagged_floats: non-finite floats as tagged objects."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT_TAG: "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"}
+    if isinstance(value, dict):
+        return {k: encode_tagged_floats(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode_tagged_floats(v) for v in value]
+    return value
+
+
 def load_config(model_path: Path) -> Dict[str, Any]:
-    """config.json, with eos_token_id from generation_config.json when that has one."""
+    """config.json (tagged non-finite floats decoded), with eos_token_id from
+    generation_config.json when that has one."""
     config_file = model_path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"No config.json in {model_path}")
     try:
-        config = json.loads(config_file.read_text())
+        config = decode_tagged_floats(json.loads(config_file.read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"Malformed {config_file}: {e}") from None
     if not isinstance(config, dict):
@@ -227,6 +258,26 @@ class Quantizable(Protocol):
     quantized along its last (input) axis."""
 
     def to_quantized(self, group_size: int, bits: int, mode: str) -> nn.Module: ...
+
+
+def infer_quant_config(path: str, module: nn.Module, weights: Dict[str, mx.array]) -> Dict[str, Any]:
+    """{"group_size", "bits", "mode"} of the quantized `<path>.weight` and `.scales` in
+    `weights`, read from their widths against `module`'s float input width: bits =
+    32 * packed width / width, group size = width / scales width; uint8 scales mean a
+    microscaling mode (mxfp4, mxfp8 or nvfp4, told apart by those two), other scales
+    affine. Raises ValueError when no mode packs the layer that way."""
+    width = module.weight.shape[-1]
+    packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
+    bits, group_size = 32 * packed.shape[-1] // width, width // scales.shape[-1]
+    modes = [m for m in QUANT_MODES if (m == "affine") == (scales.dtype != mx.uint8)]
+    for mode in modes:
+        group_sizes, bit_widths = QUANT_MODES[mode]
+        if group_size in group_sizes and bits in bit_widths and packed.shape[-1] * 32 == width * bits:
+            return {"group_size": group_size, "bits": bits, "mode": mode}
+    raise ValueError(
+        f"{path}: packed weight width {packed.shape[-1]} and scales width {scales.shape[-1]} ({scales.dtype}) "
+        f"of input width {width} are no quantization mode's ({', '.join(modes)})"
+    )
 
 
 def _check_quantized_tensors(path: str, module: nn.Module, weights: Dict[str, mx.array], params: Dict[str, Any]):
@@ -440,10 +491,10 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 
 def make_shards(weights: Dict[str, mx.array], max_file_size_gb: float = MAX_FILE_SIZE_GB) -> List[Dict[str, mx.array]]:
     """Split weights, in order, into shards of at most `max_file_size_gb` GiB (a single
-    larger tensor gets a shard of its own)."""
+    larger tensor gets a shard of its own); no weights, no shards."""
     if isinstance(max_file_size_gb, bool) or not isinstance(max_file_size_gb, (int, float)) or max_file_size_gb <= 0:
         raise ValueError(f"max_file_size_gb must be a positive number of GiB, got {max_file_size_gb!r}")
-    return _shards_of_bytes(weights, int(max_file_size_gb * (1 << 30)))
+    return _shards_of_bytes(weights, int(max_file_size_gb * (1 << 30))) if weights else []
 
 
 def _shards_of_bytes(weights: Dict[str, mx.array], max_shard_bytes: int) -> List[Dict[str, mx.array]]:
@@ -491,9 +542,10 @@ def save_model(
 
 
 def save_config(config: Dict[str, Any], config_path: Union[str, Path]) -> None:
-    """Write config.json with sorted keys, minus transformers' local bookkeeping."""
+    """Write config.json with sorted keys, minus transformers' local bookkeeping;
+    non-finite floats tagged as transformers writes them (valid JSON)."""
     config = {k: v for k, v in config.items() if k != "_name_or_path"}
-    Path(config_path).write_text(json.dumps(dict(sorted(config.items())), indent=4))
+    Path(config_path).write_text(json.dumps(encode_tagged_floats(dict(sorted(config.items()))), indent=4))
 
 
 # Copied as they are by `save`: what generation needs beyond config and tokenizer.
@@ -534,13 +586,14 @@ def save(
         raise
 
 
-def _check_no_model_code(config: Dict[str, Any], model_path: Path) -> None:
+def _check_no_model_code(config: Dict[str, Any], model_path: Path, trust_remote_code: bool = False) -> None:
     """Upstream runs a checkpoint's own model code (config "model_file") given
     trust_remote_code; this package only builds the families it implements."""
     if "model_file" in config:
+        given = " (trust_remote_code=True does not change that)" if trust_remote_code else ""
         raise ValueError(
             f"{model_path} asks for its own model code (config.json \"model_file\": "
-            f"{config['model_file']!r}), which this package never runs; trust_remote_code only "
+            f"{config['model_file']!r}), which this package never runs{given}; trust_remote_code only "
             "applies to the tokenizer here"
         )
 
@@ -551,8 +604,11 @@ def load_model(
     strict: bool = True,
     model_config: Optional[Dict[str, Any]] = None,
     dtype: Optional[mx.Dtype] = None,
+    trust_remote_code: bool = False,
 ) -> Tuple[nn.Module, Dict[str, Any]]:
     """Build the model of `model_path` and load its weights; returns (model, config).
+    `trust_remote_code` is upstream's opt-in to a checkpoint's own model code
+    (config "model_file"); this package refuses such checkpoints either way.
 
     A quantized checkpoint (MLX layout: `<layer>.weight` packed, `.scales`, `.biases`)
     is described by `config["quantization"]`; exactly the layers whose `.scales` the
@@ -561,7 +617,7 @@ def load_model(
     `compute_dtype` for what `load` picks)."""
     config = load_config(model_path)
     config.update(model_config or {})
-    _check_no_model_code(config, model_path)
+    _check_no_model_code(config, model_path, trust_remote_code)
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = load_weights_files(model_path)

@@ -296,3 +296,9 @@ def test_make_shards_takes_gigabytes():
     assert [list(s) for s in shards] == [["w0", "w1"], ["w2", "w3"]]
     with pytest.raises(ValueError, match="max_file_size_gb"):
         make_shards(weights, 0)
+    # A tensor larger than a shard gets one of its own, in order; no weights, no shards.
+    small, big = mx.zeros((128, 128)), mx.zeros((512, 512))  # 64 KiB, 1 MiB
+    shards = make_shards({"a": small, "b": big, "c": small}, max_file_size_gb=600 / (1 << 20))
+    assert [list(s) for s in shards] == [["a"], ["b"], ["c"]]
+    assert make_shards({"b": big}, max_file_size_gb=600 / (1 << 20)) == [{"b": big}]
+    assert make_shards({}, 1) == []

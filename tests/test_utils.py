@@ -1,9 +1,11 @@
 """utils.py: finding and loading checkpoints, with clear errors for bad ones."""
 
 import json
+import math
 import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
 from conftest import FIXTURES
@@ -13,7 +15,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.convert import convert
 from mlx_lm.generate import stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import compute_dtype, get_model_path, load, load_model
+from mlx_lm.utils import (
+    compute_dtype, get_model_path, infer_quant_config, load, load_config, load_model, save_config,
+)
 
 
 def copy_fixture(tmp_path, name="llama_tf4"):
@@ -197,3 +201,52 @@ def test_greedy_generation_unchanged_by_the_float32_default(tmp_path):
             break
     else:
         assert full == [r.token for r in half]
+
+
+# --- what code written for upstream 0.32.2 calls ---------------------------------------
+
+
+def test_tagged_non_finite_floats_are_read_and_written_back(tmp_path):
+    """transformers 5 writes inf as {"__float__": "Infinity"} (e.g. Mamba-2's
+    time_step_limit); any other object with that key is data and stays as it is."""
+    config = {"model_type": "llama", "time_step_limit": [0.0, {"__float__": "Infinity"}],
+              "nested": {"low": {"__float__": "-Infinity"}, "nan": {"__float__": "NaN"}},
+              "not_a_tag": {"__float__": 3, "other": 4}, "also_not": {"__float__": "inf"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    got = load_config(tmp_path)
+    assert got["time_step_limit"] == [0.0, float("inf")] and got["nested"]["low"] == float("-inf")
+    assert math.isnan(got["nested"]["nan"])
+    assert got["not_a_tag"] == {"__float__": 3, "other": 4} and got["also_not"] == {"__float__": "inf"}
+    save_config(got, tmp_path / "config.json")
+    written = json.loads((tmp_path / "config.json").read_text())  # strict JSON: no bare Infinity
+    assert written["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+    assert written["nested"] == {"low": {"__float__": "-Infinity"}, "nan": {"__float__": "NaN"}}
+    assert load_config(tmp_path)["time_step_limit"] == [0.0, float("inf")]
+
+
+@pytest.mark.parametrize("mode, group_size, bits", [
+    ("affine", 64, 3), ("affine", 32, 4), ("affine", 128, 8), ("mxfp4", 32, 4), ("mxfp8", 32, 8), ("nvfp4", 16, 4),
+])
+def test_infer_quant_config_reads_the_packing(mode, group_size, bits):
+    layer = nn.Linear(256, 128, bias=False)
+    quantized = layer.to_quantized(group_size=group_size, bits=bits, mode=mode)
+    weights = {"l.weight": quantized.weight, "l.scales": quantized.scales}
+    assert infer_quant_config("l", layer, weights) == {"group_size": group_size, "bits": bits, "mode": mode}
+
+
+def test_infer_quant_config_refuses_a_packing_no_mode_makes():
+    layer = nn.Linear(256, 128, bias=False)
+    weights = {"l.weight": mx.zeros((128, 48), mx.uint32), "l.scales": mx.zeros((128, 4), mx.uint8)}  # 6 bits, 64
+    with pytest.raises(ValueError, match="l: packed weight width 48 and scales width 4"):
+        infer_quant_config("l", layer, weights)
+
+
+def test_load_model_takes_trust_remote_code_and_still_runs_no_model_code(tmp_path, tiny_llama_dir):
+    assert load_model(tiny_llama_dir, trust_remote_code=False)[0] is not None
+    shutil.copytree(tiny_llama_dir, tmp_path / "custom")
+    config = json.loads((tmp_path / "custom" / "config.json").read_text())
+    (tmp_path / "custom" / "config.json").write_text(json.dumps(dict(config, model_file="arch.py")))
+    (tmp_path / "custom" / "arch.py").write_text("raise SystemExit('model code ran')\n")
+    for trust in (False, True):
+        with pytest.raises(ValueError, match="arch.py.*never runs.*trust_remote_code"):
+            load_model(tmp_path / "custom", trust_remote_code=trust)
