@@ -7,13 +7,12 @@ Fixtures come from fixtures/make_gemma2_reference.py (sliding_window 8, 40 token
 gemma2_tf4 in the hub's transformers-4 dialect, gemma2_tf5 as transformers 5 saves it.
 """
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import VOCAB_SIZE
+from checkpoints import VOCAB_SIZE, perturb
 from family_checks import FIXTURES, Family, FamilyChecks, fixture_model, reference, relative_error
+from sliding_checks import assert_override_matters, assert_sanitize_is_idempotent
 from mlx.utils import tree_flatten, tree_unflatten
 from test_speculative_sampling import PROMPT as LAW_PROMPT
 from test_speculative_sampling import VOCAB as LAW_VOCAB
@@ -24,7 +23,6 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.gemma2 import FULL, SLIDING, Model, ModelArgs, softcapped_attention
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
-from checkpoints import perturb
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8)
@@ -92,9 +90,7 @@ def test_fixture_exercises_every_feature(override):
     """Without the window, either soft-cap, the query scalar, the rope theta or the
     alternating layer types the logits are far off (gemma2_tf4 names none of these
     in transformers 5's keys, so this also shows its tf4 keys are read)."""
-    ids, want = reference("gemma2_tf4")
-    changed, _ = load_model(FIXTURES / "gemma2_tf4", model_config=override)
-    assert relative_error(changed(ids), want) > 1e-2
+    assert_override_matters("gemma2_tf4", override)
 
 
 def test_norms_are_shifted_exactly_once():
@@ -147,22 +143,7 @@ def test_config_errors_name_the_value(override, message):
 
 
 def test_sanitize_is_idempotent_and_drops_what_we_compute():
-    """transformers' layout passes once; an extra rope buffer and, when tied, an
-    `lm_head` copy (upstream mlx-lm writes one) are dropped; an MLX-layout reload gives
-    the same weights back."""
-    for name in FAMILY.fixtures:
-        model = fixture_model(name)
-        raw = mx.load(str(FIXTURES / name / "model.safetensors"))
-        extra = dict(raw, **{"model.rotary_emb.inv_freq": mx.ones((8,)),
-                             "lm_head.weight": raw["model.embed_tokens.weight"]})
-        once = model.sanitize(extra)
-        assert "model.rotary_emb.inv_freq" not in once
-        assert ("lm_head.weight" in once) == (not model.args.tie_word_embeddings), name
-        again = model.sanitize(dict(once))
-        assert once.keys() == again.keys() and all(mx.array_equal(once[k], again[k]) for k in once)
-        assert sorted(once) == sorted(k for k, _ in tree_flatten(model.parameters()))
-    config = json.loads((FIXTURES / "gemma2_tf5" / "config.json").read_text())
-    assert isinstance(fixture_model("gemma2_tf5"), Model) and config["tie_word_embeddings"] is False
+    assert_sanitize_is_idempotent(FAMILY.fixtures)
 
 
 # --- sampling law past the wrap -----------------------------------------------------------
