@@ -53,7 +53,9 @@ def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     # A token belongs to the nucleus iff the mass strictly before it is still
     # short of top_p; the exclusive sum avoids `cumsum - p` round-off.
     mass_before = mx.cumsum(sorted_probs, axis=-1, inclusive=False)
-    keep_sorted = mass_before < top_p  # (B, V), in sorted order
+    # The most likely token stays whatever top_p is: in float16 a tiny top_p rounds to 0,
+    # which no mass is below.
+    keep_sorted = (mass_before < top_p) | (mx.arange(logprobs.shape[-1]) == 0)  # (B, V), in sorted order
     keep = mx.take_along_axis(keep_sorted, mx.argsort(order, axis=-1), axis=-1)
     return mx.where(keep, logprobs, -mx.inf)
 

@@ -103,6 +103,17 @@ def test_top_p_always_keeps_the_top_token():
     assert kept(filtered).tolist() == [True, False, False]
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("top_p", [1e-8, 1e-4])
+def test_top_p_keeps_the_top_token_at_tiny_thresholds_in_every_dtype(dtype, top_p):
+    # float16 rounds 1e-8 to 0, which no mass is below: the top token must stay anyway.
+    logits = mx.random.normal((2, 4096), key=mx.random.key(0)) * 3
+    logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(dtype)
+    filtered = apply_top_p(logprobs, top_p)
+    assert (filtered > -mx.inf).sum(axis=-1).tolist() == [1, 1]
+    assert mx.array_equal(filtered.max(axis=-1), logprobs.max(axis=-1))
+
+
 def test_top_p_per_row_in_a_batch():
     logprobs = mx.log(mx.array([[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]]))
     filtered = np.isfinite(np.array(apply_top_p(logprobs, 0.8)))
