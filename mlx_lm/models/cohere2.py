@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 from . import llama
 from .base import BaseModelArgs, check_head_grouping, check_layer_types, scaled_dot_product_attention
-from .llama import FULL, SLIDING, masks_by_layer_type
+from .llama import FULL, SLIDING
 from .rope_utils import initialize_rope, resolve_rope
 
 
@@ -151,24 +151,16 @@ class DecoderLayer(nn.Module):
         return x + self.self_attn(h, mask, cache) + self.mlp(h)  # parallel attention and MLP
 
 
-class Backbone(nn.Module):
+class Backbone(llama.LlamaModel):
+    """llama's backbone (embeddings, one mask per layer type, final norm) with Cohere2's
+    blocks and bias-free LayerNorm."""
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
+        nn.Module.__init__(self)  # not LlamaModel's: its norm is an RMSNorm
         self.sliding_window = args.sliding_window
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, layer_type) for layer_type in args.layer_types]
         self.norm = LayerNorm(args.hidden_size, args.layer_norm_eps)
-
-    def __call__(
-        self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None
-    ) -> mx.array:
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings  # (B, L, hidden)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        masks = masks_by_layer_type(h, self.layers, cache, self.sliding_window)
-        for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, masks[layer.layer_type], layer_cache)
-        return self.norm(h)
 
 
 class Model(llama.Model):
