@@ -45,6 +45,7 @@ from .speculative import (  # noqa: F401  (upstream keeps speculative_generate_s
     speculative_generate_step,
 )
 from .tokenizer_utils import TokenizerWrapper
+from .text_state_machine import TextStateMachine, make_text_state_machine  # noqa: F401  (upstream's home)
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
