@@ -24,6 +24,7 @@ MODEL_REMAPPING = {
     "mistral": "llama",
     "iquestcoder": "llama",
     "gemma3_text": "gemma3",
+    "gemma3n_text": "gemma3n",
     "ministral": "llama",
 }
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+from .cache import SharedKVReader
 
 
 NO_TOKEN = -1  # the position of a column that holds no token (padding, a rejected draft)
@@ -558,6 +559,33 @@ class BatchCacheList(CacheList):
             c.make_room(num_new)
 
 
+class BatchSharedKVReader(SharedKVReader):
+    """SharedKVReader rows: nothing to stack, pad, drop or roll back."""
+
+    @classmethod
+    def merge(cls, caches: Sequence[SharedKVReader]) -> "BatchSharedKVReader":
+        return cls()
+
+    def extend(self, other: SharedKVReader) -> "BatchSharedKVReader":
+        return self
+
+    def filter(self, indices: Sequence[int]) -> "BatchSharedKVReader":
+        return self
+
+    def extract(self, index: int) -> SharedKVReader:
+        return SharedKVReader()
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        pass
+
+    @property
+    def bookkeeping(self) -> List[mx.array]:
+        return []
+
+    def make_room(self, num_new: int) -> None:
+        pass
+
+
 # Which batched class holds rows of each cache class (exact types: any other kind
 # cannot be batched).
 BATCH_CLASSES = {
@@ -566,6 +594,7 @@ BATCH_CLASSES = {
     QuantizedKVCache: BatchQuantizedKVCache,
     ArraysCache: BatchArraysCache,
     CacheList: BatchCacheList,
+    SharedKVReader: BatchSharedKVReader,
 }
 
 

@@ -729,8 +729,59 @@ class CacheList(_BaseCache):
         return self.caches[0].empty()
 
 
+class SharedKVReader(_BaseCache):
+    """The entry of a layer that attends over the keys and values another layer's cache
+    returns (Gemma 3n's and Gemma 4's KV-shared layers): it holds nothing, so trimming,
+    speculating, saving and batching it change nothing. The layer it reads from rolls
+    back its own cache, and so what its readers see, in the same trim."""
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        pass
+
+    def stop_speculation(self) -> None:
+        pass
+
+    @property
+    def state(self):
+        return []
+
+    @state.setter
+    def state(self, value):
+        if len(value):
+            raise ValueError(f"a SharedKVReader holds no arrays; got a state of {len(value)}")
+
+    @property
+    def meta_state(self):
+        return ""
+
+    @meta_state.setter
+    def meta_state(self, value):
+        pass
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
+        return None  # the layer uses the mask of the cache it reads
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return max(n, 0)
+
+    def size(self) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        # Nothing of its own ever arrives: whether a model's caches are filled is for the
+        # entries that hold tokens to say.
+        return False
+
+
 # Explicit name -> class registry for rebuilding caches from saved class names.
-CACHE_CLASSES = {c.__name__: c for c in (KVCache, RotatingKVCache, ArraysCache, CacheList)}
+CACHE_CLASSES = {c.__name__: c for c in (KVCache, RotatingKVCache, ArraysCache, CacheList, SharedKVReader)}
 
 
 def make_prompt_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:
