@@ -72,37 +72,18 @@ class ModelArgs(BaseModelArgs):
     tie_embedding: Optional[bool] = None  # Liquid's name for it
 
     def __post_init__(self):
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        theta, self.rope_scaling, _ = resolve_rope(self.rope_theta, self.rope_scaling, self.rope_parameters)
-        self.rope_theta = DEFAULT_ROPE_THETA if theta is None else theta
+        normalise_shared_keys(self)
         self.intermediate_size, self.block_ff_dim = same_value(
             "intermediate_size", self.intermediate_size, "block_ff_dim", self.block_ff_dim
         )
         if self.intermediate_size is None:
             raise ValueError("config has neither intermediate_size nor block_ff_dim; set one (the MLP width)")
-        self.tie_word_embeddings, self.tie_embedding = same_value(
-            "tie_word_embeddings", self.tie_word_embeddings, "tie_embedding", self.tie_embedding
+        if self.layer_types is None and self.full_attn_idxs is None:  # transformers: every layer attends
+            self.full_attn_idxs = list(range(self.num_hidden_layers))
+        self.layer_types, self.full_attn_idxs = layer_pattern(
+            self.layer_types, self.full_attn_idxs, self.num_hidden_layers
         )
-        if self.tie_word_embeddings is None:
-            self.tie_word_embeddings = self.tie_embedding = True
-        self._normalise_layer_pattern()
         self._validate()
-
-    def _normalise_layer_pattern(self):
-        """layer_types wins (as in transformers); without it, full_attn_idxs (default: all)."""
-        if self.layer_types is None:
-            idxs = range(self.num_hidden_layers) if self.full_attn_idxs is None else self.full_attn_idxs
-            self.layer_types = [FULL_ATTENTION if i in idxs else CONV for i in range(self.num_hidden_layers)]
-        check_layer_types(self.layer_types, self.num_hidden_layers, (CONV, FULL_ATTENTION))
-        from_types = [i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION]
-        if self.full_attn_idxs is None:
-            self.full_attn_idxs = from_types
-        elif sorted(self.full_attn_idxs) != from_types:
-            raise ValueError(
-                f"full_attn_idxs {self.full_attn_idxs} disagrees with layer_types {self.layer_types}; "
-                "remove one of them"
-            )
 
     def _validate(self):
         check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
@@ -118,6 +99,37 @@ class ModelArgs(BaseModelArgs):
         return feed_forward_dim(
             self.intermediate_size, self.block_auto_adjust_ff_dim, self.block_ffn_dim_multiplier, self.block_multiple_of
         )
+
+
+def layer_pattern(layer_types: Optional[List[str]], full_attn_idxs: Optional[List[int]],
+                  num_hidden_layers: int) -> Tuple[List[str], List[int]]:
+    """Both spellings of the layer pattern, (layer_types, full_attn_idxs), from either:
+    layer_types wins (transformers reads only it), else full_attn_idxs; given both, they
+    must agree. One of them must be given."""
+    if layer_types is None:
+        layer_types = [FULL_ATTENTION if i in full_attn_idxs else CONV for i in range(num_hidden_layers)]
+    check_layer_types(layer_types, num_hidden_layers, (CONV, FULL_ATTENTION))
+    from_types = [i for i, kind in enumerate(layer_types) if kind == FULL_ATTENTION]
+    if full_attn_idxs is not None and sorted(full_attn_idxs) != from_types:
+        raise ValueError(
+            f"full_attn_idxs {full_attn_idxs} disagrees with layer_types {layer_types}; remove one of them"
+        )
+    return layer_types, from_types
+
+
+def normalise_shared_keys(args: BaseModelArgs) -> None:
+    """In place, the keys LFM2 and LFM2-MoE share: head_dim (default hidden / heads),
+    rope in either dialect (default theta 1e6), and the tying flag under either name
+    (default tied)."""
+    if args.head_dim is None:
+        args.head_dim = args.hidden_size // args.num_attention_heads
+    theta, args.rope_scaling, _ = resolve_rope(args.rope_theta, args.rope_scaling, args.rope_parameters)
+    args.rope_theta = DEFAULT_ROPE_THETA if theta is None else theta
+    args.tie_word_embeddings, args.tie_embedding = same_value(
+        "tie_word_embeddings", args.tie_word_embeddings, "tie_embedding", args.tie_embedding
+    )
+    if args.tie_word_embeddings is None:
+        args.tie_word_embeddings = args.tie_embedding = True
 
 
 def same_value(name: str, value: Any, alias: str, alias_value: Any) -> Tuple[Any, Any]:
@@ -179,6 +191,16 @@ class ShortConv(nn.Module):
             cache[CONV_STATE] = conv_input[:, T:]
         return self.out_proj(c * mixed)
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Keep this rank's channels: in_proj's b, c and x blocks split alike, the
+        depthwise conv per channel (so a rank's conv state holds its channels), out_proj
+        all-sums."""
+        sharding.shard_projections(self, ("in_proj",), sharding.ALL_TO_SHARDED, group, segments=3)
+        self.conv.weight = sharding.take_shard(self.conv.weight, group)  # (C/N, K, 1)
+        if self.has_bias:
+            self.conv.bias = sharding.take_shard(self.conv.bias, group)
+        sharding.shard_projections(self, ("out_proj",), sharding.SHARDED_TO_ALL, group)
+
 
 class Attention(nn.Module):
     """Grouped-query attention with per-head q/k RMSNorm before rope."""
@@ -209,6 +231,12 @@ class Attention(nn.Module):
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Keep this rank's heads; out_proj all-sums."""
+        self.num_heads, self.num_kv_heads = sharding.shard_attention(
+            self, self.num_heads, self.num_kv_heads, group, out="out_proj"
+        )
+
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
@@ -222,14 +250,19 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
+    """Token mixer (conv or attention) and feed-forward, each pre-normed; lfm2_moe passes
+    its own `feed_forward` (a dense or a mixture-of-experts block)."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, feed_forward: Optional[nn.Module] = None):
         super().__init__()
         self.is_attention = args.layer_types[layer_idx] == FULL_ATTENTION
         if self.is_attention:
             self.self_attn = Attention(args)
         else:
             self.conv = ShortConv(args)
-        self.feed_forward = FeedForward(args.hidden_size, args.feed_forward_dim)
+        if feed_forward is None:
+            feed_forward = FeedForward(args.hidden_size, args.feed_forward_dim)
+        self.feed_forward = feed_forward
         self.operator_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
 
@@ -240,10 +273,10 @@ class DecoderLayer(nn.Module):
 
 
 class Lfm2Model(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_class: type = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.embedding_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)  # the final norm
         # Attention layers share one mask, made from the first one's cache; conv layers need none.
         kinds = args.layer_types
@@ -277,12 +310,14 @@ def sanitize_weights(weights: Dict[str, mx.array], tie_word_embeddings: bool) ->
 class Model(nn.Module):
     # Conv layers record rollbacks into their ArraysCache while speculating.
     supports_speculative_rollback = True
+    # The decoder layer; lfm2_moe swaps in its own (mixture-of-experts feed-forward).
+    decoder_layer_class = DecoderLayer
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Lfm2Model(args)
+        self.model = Lfm2Model(args, self.decoder_layer_class)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -310,16 +345,5 @@ class Model(nn.Module):
         the feed-forward by hidden units; out_proj / w2 all-sum."""
         group = sharding.world(group)
         for layer in self.layers:
-            if layer.is_attention:
-                attn = layer.self_attn
-                attn.num_heads, attn.num_kv_heads = sharding.shard_attention(
-                    attn, attn.num_heads, attn.num_kv_heads, group, out="out_proj"
-                )
-            else:
-                conv = layer.conv
-                sharding.shard_projections(conv, ("in_proj",), sharding.ALL_TO_SHARDED, group, segments=3)
-                conv.conv.weight = sharding.take_shard(conv.conv.weight, group)  # (C/N, K, 1)
-                if conv.has_bias:
-                    conv.conv.bias = sharding.take_shard(conv.conv.bias, group)
-                sharding.shard_projections(conv, ("out_proj",), sharding.SHARDED_TO_ALL, group)
+            (layer.self_attn if layer.is_attention else layer.conv).shard(group)
             sharding.shard_mlp(layer.feed_forward, group, inputs=("w1", "w3"), output="w2")
