@@ -147,7 +147,18 @@ def test_quantized_attention_takes_upstreams_keywords_and_causal(num_queries):
 def test_quantized_cache_mask_is_causal():
     cache = QuantizedKVCache(64, 8)
     cache.update_and_fetch(randn(1, 2, 3, 64), randn(1, 2, 3, 64))
-    assert cache.make_mask(2, return_array=False) == "causal" and cache.make_mask(2).shape == (2, 5)
+    assert cache.make_mask(2) == "causal" and cache.make_mask(2, return_array=True).shape == (2, 5)
+
+
+def test_cache_masks_default_to_causal_as_upstream():
+    """Called bare, as upstream's callers do, a cache's make_mask answers "causal" where
+    the plain causal mask is exact (upstream's default return_array=False)."""
+    assert KVCache().make_mask(4) == "causal"
+    rotating = RotatingKVCache(max_size=8)
+    assert rotating.make_mask(4, window_size=5) == "causal"
+    assert rotating.make_mask(6, window_size=5).dtype == mx.bool_  # the window cuts in
+    assert rotating.make_mask(4, window_size=5, return_array=True).shape == (4, 4)
+    assert CacheList(ArraysCache(2), KVCache()).make_mask(3) == "causal"
 
 
 # ---------------------------------------------------------------------------

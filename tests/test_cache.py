@@ -69,10 +69,10 @@ def test_kv_cache_masks():
     cache = KVCache()
     assert cache.make_mask(1) is None
     cache.update_and_fetch(*kv(6, 0))
-    mask = cache.make_mask(3)
+    mask = cache.make_mask(3, return_array=True)
     assert mask.shape == (3, 9)
     assert mx.array_equal(mask, create_causal_mask(3, offset=6))
-    windowed = cache.make_mask(1, window_size=4)  # one query past the window needs a mask
+    windowed = cache.make_mask(1, window_size=4, return_array=True)  # one query past the window needs a mask
     assert windowed.tolist() == [[False] * 3 + [True] * 4]
 
 
@@ -103,7 +103,7 @@ def test_rotating_attention_equals_windowed_full_attention(pattern, keep):
     for step, num in enumerate(pattern):
         k, v = all_k[..., start : start + num, :], all_v[..., start : start + num, :]
         q = queries[..., start : start + num, :]
-        mask = cache.make_mask(num)
+        mask = cache.make_mask(num, return_array=True)
         keys, values = cache.update_and_fetch(k, v)
         got = attend(q, keys, values, mask)
         positions = mx.arange(start + num)
@@ -149,7 +149,7 @@ def test_rotating_state_round_trip_continues_identically():
     clone = RotatingKVCache.from_state(cache.state, cache.meta_state)
     for num in (1, 3, 1):
         k, v = kv(num, 20 + num)
-        mask, clone_mask = cache.make_mask(num), clone.make_mask(num)
+        mask, clone_mask = cache.make_mask(num, return_array=True), clone.make_mask(num, return_array=True)
         assert (mask is None and clone_mask is None) or mx.array_equal(mask, clone_mask)
         assert mx.array_equal(cache.update_and_fetch(k, v)[0], clone.update_and_fetch(k, v)[0])
 
@@ -193,10 +193,10 @@ def test_cache_list_masks_like_its_masking_children():
     h = mx.zeros((1, 3, 8))
     for num in (1, 3):
         for window in (None, 4):
-            want = kv_cache.make_mask(num, window_size=window)
+            want = kv_cache.make_mask(num, window_size=window, return_array=True)
             got = create_attention_mask(h[:, :num], combined, window_size=window, return_array=True)
             assert (got is None and want is None) or mx.array_equal(got, want)
-    assert mx.array_equal(combined.make_mask(3), create_causal_mask(3, offset=6))
+    assert mx.array_equal(combined.make_mask(3, return_array=True), create_causal_mask(3, offset=6))
     assert CacheList(ArraysCache(1), ArraysCache(2)).make_mask(3) is None
     behind = KVCache()
     behind.update_and_fetch(*kv(4, 1))

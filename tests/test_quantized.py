@@ -156,7 +156,7 @@ def test_quantized_attention_equals_attention_on_dequantized_cache(bits, group_s
     cache = QuantizedKVCache(group_size=group_size, bits=bits)
     q, k, v = random_qkv(num_queries, 20)
     cache.update_and_fetch(k[..., :15, :], v[..., :15, :])
-    mask = cache.make_mask(num_queries)  # None for one query, else causal at offset 15
+    mask = cache.make_mask(num_queries, return_array=True)  # None for one query, else causal at offset 15
     k, v = k[..., : 15 + num_queries, :], v[..., : 15 + num_queries, :]
     q_keys, q_values = cache.update_and_fetch(k[..., 15:, :], v[..., 15:, :])
     sinks = mx.array([0.5, -1.0, 2.0, 0.0]) if with_sinks else None

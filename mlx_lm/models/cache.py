@@ -134,7 +134,7 @@ class _AppendOnlyCache(_BaseCache):
 
     offset: int
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         """The causal mask of num_queries new tokens over every token held; None when
         each query sees every key, "causal" (unless `return_array`) when the plain
         causal mask is exact, else the (N, offset + N) boolean array."""
@@ -446,7 +446,7 @@ class RotatingKVCache(_BaseCache):
             return rows
         return mx.concatenate([rows[..., : self.keep, :], rows[..., -self.window :, :]], axis=2)
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         """The mask of num_queries new tokens over what update_and_fetch returns: each
         query sees the sinks and the last `window_size` tokens (default: the whole
         window held). A window shorter than the one held masks the rest; a longer one
@@ -598,7 +598,7 @@ class ArraysCache(_BaseCache):
     def __setitem__(self, index: int, value: Optional[mx.array]):
         self.cache[index] = value
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         return None
 
     def size(self) -> int:
@@ -651,7 +651,7 @@ class CacheList(_BaseCache):
     def __getitem__(self, index: int) -> _BaseCache:
         return self.caches[index]
 
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = True):
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         """The mask of the children that need one (a recurrent child needs none). The
         children serve one layer and so hold the same tokens: children that mask must
         give the same shape, else the layer should ask the child its attention uses.
