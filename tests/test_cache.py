@@ -292,3 +292,88 @@ def test_cache_list_speculation_reaches_children():
     assert combined.is_trimmable() and combined[1].speculating
     combined.stop_speculation()
     assert not combined[1].speculating
+
+
+# --- ChunkedKVCache (Llama 4's chunked attention) ------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", UPDATE_PATTERNS)
+def test_chunked_attention_equals_chunk_masked_full_attention(pattern):
+    """Whatever the mix of updates, attention through the one-chunk ring equals
+    attention over the full history under the chunked causal mask."""
+    from mlx_lm.models.cache import ChunkedKVCache
+    from mlx_lm.models.masks import create_chunked_mask
+
+    chunk = 6
+    cache = ChunkedKVCache(chunk)
+    all_k, all_v = kv(sum(pattern), 0)
+    queries, _ = kv(sum(pattern), 1)
+    start = 0
+    for step, num in enumerate(pattern):
+        q = queries[..., start : start + num, :]
+        mask = cache.make_mask(num)
+        keys, values = cache.update_and_fetch(all_k[..., start : start + num, :], all_v[..., start : start + num, :])
+        got = attend(q, keys, values, mask)
+        ref_mask = create_chunked_mask(num, start, chunk)
+        want = attend(q, all_k[..., : start + num, :], all_v[..., : start + num, :], ref_mask)
+        assert mx.allclose(got, want, atol=1e-5), f"update {step} ({num} tokens)"
+        start += num
+        assert cache.offset == start and cache.size() == min(start, chunk)
+
+
+def chunked_fed(chunk_updates, num_tokens, chunk=4):
+    """A ChunkedKVCache prefilled with 6 tokens, then fed the first num_tokens of
+    `chunk_updates` in the same updates (the last cut short)."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    cache = ChunkedKVCache(chunk)
+    cache.update_and_fetch(*kv(6, 50))
+    for k, v in chunk_updates:
+        if num_tokens <= 0:
+            break
+        take = min(num_tokens, k.shape[2])
+        cache.update_and_fetch(k[..., :take, :], v[..., :take, :])
+        num_tokens -= take
+    return cache
+
+
+@pytest.mark.parametrize("pattern", [(7,), (1, 1, 1, 1, 1, 1), (2, 1, 4), (3, 5)])
+def test_chunked_rollback_across_chunk_edges_is_exact(pattern):
+    """Verify and draft updates that cross chunk edges (chunks of 4, offset 6: edges at
+    8 and 12), trimmed back by every amount, leave the cache equal bit for bit to one
+    fed only what it still holds, with the same next mask and output."""
+    updates = [kv(num, 60 + i) for i, num in enumerate(pattern)]
+    total = sum(pattern)
+    for n in range(total + 1):
+        cache = chunked_fed([], 0)
+        cache.start_speculation()
+        for k, v in updates:
+            cache.update_and_fetch(k, v)
+        assert cache.trim(n) == n
+        fed = chunked_fed(updates, total - n)
+        assert cache.meta_state == fed.meta_state and type(cache) is type(fed)
+        assert all(mx.array_equal(x, y) for x, y in zip(cache.state, fed.state)), n
+        for num in (1, 3):
+            got_mask, want_mask = cache.make_mask(num), fed.make_mask(num)
+            assert (got_mask is None and want_mask is None) or mx.array_equal(got_mask, want_mask), n
+        k, v = kv(1, 99)
+        assert all(mx.array_equal(x, y) for x, y in zip(cache.update_and_fetch(k, v), fed.update_and_fetch(k, v)))
+
+
+def test_chunked_cache_file_round_trip_and_refusals(tmp_path):
+    from mlx_lm.models.cache import ChunkedKVCache, load_prompt_cache, save_prompt_cache
+
+    cache = ChunkedKVCache(4)
+    cache.update_and_fetch(*kv(7, 0))
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
+    (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert type(loaded) is ChunkedKVCache and loaded.chunk_size == 4 and loaded.offset == 7
+    k, v = kv(1, 1)
+    assert all(mx.array_equal(x, y) for x, y in zip(loaded.update_and_fetch(k, v), cache.update_and_fetch(k, v)))
+    with pytest.raises(ValueError, match="masks by its chunks of 4; got window_size=2"):
+        cache.make_mask(2, window_size=2)
+    with pytest.raises(ValueError, match="ChunkedKVCache .* cannot be quantized"):
+        cache.to_quantized()
+    assert not cache.is_trimmable()  # wrapped and not speculating: the evicted rows are gone
+    with pytest.raises(RuntimeError, match="has wrapped"):
+        cache.trim(1)

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 
 from .cache_files import read_cache_file, write_cache_file
-from .masks import causal_mask_for_positions, create_causal_mask
+from .masks import causal_mask_for_positions, chunked_mask_for_positions, create_causal_mask
 
 
 def _grow(buffer: Optional[mx.array], used: int, needed: int, like: mx.array, step: int, limit=None):
@@ -471,14 +471,18 @@ class RotatingKVCache(_BaseCache):
         returns (None when the window held is the window asked for)."""
         if window == self.window or self.offset < window + self.keep:
             return None
+        positions = self._slot_positions_after_write()
+        visible = (self.offset - positions < window) | (positions < self.keep)
+        return visible[None]
+
+    def _slot_positions_after_write(self) -> mx.array:
+        """The positions held by the ring slots a single-token write returns, (n,)."""
         slots = mx.arange(min(self.offset + 1, self.max_size))
         idx = (self.keep if self._idx == self.max_size else self._idx) + 1  # after the write
         ring = self.max_size - self.keep
         # The slot before idx holds the new token (position offset) and the ring slots
         # go back in time from it, wrapped or not (before the wrap slot s holds s).
-        positions = mx.where(slots < self.keep, slots, self.offset - (idx - 1 - slots) % ring)
-        visible = (self.offset - positions < window) | (positions < self.keep)
-        return visible[None]
+        return mx.where(slots < self.keep, slots, self.offset - (idx - 1 - slots) % ring)
 
     @property
     def state(self):
@@ -541,6 +545,47 @@ class RotatingKVCache(_BaseCache):
             "A RotatingKVCache (--max-kv-size, sliding-window layers) cannot be quantized; "
             "drop --kv-bits or --max-kv-size"
         )
+
+
+class ChunkedKVCache(RotatingKVCache):
+    """Keys and values of a chunked local attention layer (Llama 4): positions are cut
+    into chunks of `chunk_size` from 0, and a query at position p sees the keys of its
+    own chunk, floor(p / C) * C .. p.
+
+    Those are always among the C most recent positions, so the cache is a ring of C rows
+    without sinks (a RotatingKVCache) and only the mask differs: by chunk, not by window.
+    Memory stays C rows whatever the context. Rollback is the ring's: a verify whose
+    tokens enter a new chunk overwrites the old chunk's rows through recorded writes, so
+    trimming back into the old chunk restores them bit for bit.
+    """
+
+    def __init__(self, chunk_size: int):
+        super().__init__(chunk_size, keep=0)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.max_size
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
+        """The chunked causal mask of num_queries new tokens over what update_and_fetch
+        returns; None for a single query that sees every slot, "causal" (unless
+        `return_array`) while everything lies in the first chunk."""
+        if window_size is not None:
+            raise ValueError(f"a ChunkedKVCache masks by its chunks of {self.max_size}; got window_size={window_size}")
+        size = self.max_size
+        if num_queries == 1:
+            if self.offset < size or self.offset % size == size - 1:
+                return None
+            key_pos = self._slot_positions_after_write()
+        else:
+            if not return_array and self.offset + num_queries <= size:
+                return "causal"
+            key_pos = mx.concatenate([self._held_positions(), mx.arange(self.offset, self.offset + num_queries)])
+        query_pos = mx.arange(self.offset, self.offset + num_queries)
+        return chunked_mask_for_positions(query_pos[:, None], key_pos[None], size)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
+        raise ValueError("A ChunkedKVCache (chunked attention layers) cannot be quantized; drop --kv-bits")
 
 
 class ArraysCache(_BaseCache):
@@ -782,6 +827,7 @@ class SharedKVReader(_BaseCache):
 
 # Explicit name -> class registry for rebuilding caches from saved class names.
 CACHE_CLASSES = {c.__name__: c for c in (KVCache, RotatingKVCache, ArraysCache, CacheList, SharedKVReader)}
+CACHE_CLASSES[ChunkedKVCache.__name__] = ChunkedKVCache
 
 
 def make_prompt_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:

@@ -41,3 +41,20 @@ def causal_mask_for_positions(
             in_window = in_window | (key_pos < keep)
         mask = mask & in_window
     return mask
+
+
+def chunked_mask_for_positions(query_pos: mx.array, key_pos: mx.array, chunk_size: int) -> mx.array:
+    """Chunked causal attention (Llama 4's local layers): positions are cut into chunks
+    of `chunk_size` from position 0, and a query sees the keys of its own chunk up to
+    itself. query_pos (..., N, 1), key_pos (..., 1, S) -> (..., N, S) bool; a negative
+    key position (no token) is in no query's chunk."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    return (key_pos <= query_pos) & (key_pos // chunk_size == query_pos // chunk_size)
+
+
+def create_chunked_mask(num_queries: int, offset: int, chunk_size: int) -> mx.array:
+    """Chunked causal mask (num_queries, offset + num_queries) of queries at positions
+    offset.. over every key from position 0 (see chunked_mask_for_positions)."""
+    query_pos = mx.arange(offset, offset + num_queries)[:, None]
+    return chunked_mask_for_positions(query_pos, mx.arange(offset + num_queries)[None], chunk_size)

@@ -77,8 +77,11 @@ def llama3_inv_freq(
     inv_freq = default_inv_freq(dims, base)
     wavelen = 2 * math.pi / inv_freq
     old_context = original_max_position_embeddings
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    # Llama 4 Scout has high_freq_factor == low_freq_factor: no blend band, and the
+    # blend (selected nowhere then) divides by zero.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     return np.where(
         wavelen > old_context / low_freq_factor,
         inv_freq / factor,
