@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Un
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from . import tool_parsers
+
 REPLACEMENT_CHARACTER = "\ufffd"
 SPM_SPACE = "\u2581"  # "▁", SentencePiece's marker for a space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -340,12 +342,18 @@ class TokenizerWrapper:
         detokenizer_class: DetokenizerFactory = NaiveStreamingDetokenizer,
         eos_token_ids: Union[int, Iterable[int], None] = None,
         chat_template: Optional[str] = None,
+        tool_call_start: Optional[str] = None,
+        tool_call_end: Optional[str] = None,
+        tool_parser: Optional[Callable[[str, Any], Any]] = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._detokenizer_class = detokenizer_class
         # Built on first use: the SPM/BPE tables cost O(vocab) to make.
         self._detokenizer_prototype: Optional[StreamingDetokenizer] = None
         self._chat_template = chat_template
+        self._think = thinking_markers(tokenizer.get_vocab())
+        self._tool_call = None if tool_call_start is None else (tool_call_start, tool_call_end or "")
+        self._tool_parser = tool_parser
         ids = _as_id_set(eos_token_ids)
         if ids is None:
             default = tokenizer.eos_token_id
@@ -399,6 +407,71 @@ class TokenizerWrapper:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The wrapped Hugging Face tokenizer."""
         return self._tokenizer
+
+    # Reasoning and tool-call markers, as upstream names them (module docstring of
+    # text_state_machine.py for how the server uses them).
+
+    def _ids(self, text: Optional[str]) -> Optional[Tuple[int, ...]]:
+        return None if text is None else tuple(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _single_id(self, text: Optional[str]) -> Optional[int]:
+        ids = self._ids(text)
+        if ids is not None and len(ids) != 1:
+            raise ValueError(f"the marker {text!r} is {len(ids)} tokens, not one")
+        return None if ids is None else ids[0]
+
+    @property
+    def has_thinking(self) -> bool:
+        return self._think is not None
+
+    @property
+    def think_start(self) -> Optional[str]:
+        return self._think and self._think[0]
+
+    @property
+    def think_end(self) -> Optional[str]:
+        return self._think and self._think[1]
+
+    @property
+    def think_start_tokens(self) -> Optional[Tuple[int, ...]]:
+        return self._ids(self.think_start)
+
+    @property
+    def think_end_tokens(self) -> Optional[Tuple[int, ...]]:
+        return self._ids(self.think_end)
+
+    @property
+    def think_start_id(self) -> Optional[int]:
+        return self._single_id(self.think_start)
+
+    @property
+    def think_end_id(self) -> Optional[int]:
+        return self._single_id(self.think_end)
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return self._tool_call is not None
+
+    @property
+    def tool_call_start(self) -> Optional[str]:
+        return self._tool_call and self._tool_call[0]
+
+    @property
+    def tool_call_end(self) -> Optional[str]:
+        return self._tool_call and self._tool_call[1]
+
+    @property
+    def tool_call_start_tokens(self) -> Optional[Tuple[int, ...]]:
+        return self._ids(self.tool_call_start)
+
+    @property
+    def tool_call_end_tokens(self) -> Optional[Tuple[int, ...]]:
+        return self._ids(self.tool_call_end)
+
+    @property
+    def tool_parser(self) -> Optional[Callable[[str, Any], Any]]:
+        """`parse_tool_call(text, tools)` of the model's format (tool_parsers/)."""
+        return self._tool_parser
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails. Reading through __dict__ avoids
@@ -500,6 +573,55 @@ def load(
     detokenizer_class = detokenizer_class_for(
         _read_decoder(model_path / "tokenizer.json")
     )
+    tool_format = _tool_format(tokenizer, _model_type(model_path))
     return TokenizerWrapper(
-        tokenizer, detokenizer_class, eos_token_ids=_as_id_set(eos_token_ids)
+        tokenizer,
+        detokenizer_class,
+        eos_token_ids=_as_id_set(eos_token_ids),
+        tool_call_start=tool_format and tool_format.tool_call_start,
+        tool_call_end=tool_format and tool_format.tool_call_end,
+        tool_parser=tool_format and tool_format.parse_tool_call,
     )
+
+
+# Reasoning markers: single tokens a vocabulary holds, or (Gemma 4, Kimi K3's XTML)
+# a text that starts with such a token.
+_THINK_TOKENS = [("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>")]
+_THINK_TEXTS = [(("<|channel>", "<channel|>"), ("<|channel>thought", "<channel|>")),
+                (("<|open|>", "<|close|>", "<|sep|>"), ("<|open|>think<|sep|>", "<|close|>think<|sep|>"))]
+
+
+def thinking_markers(vocabulary: Dict[str, int]) -> Optional[Tuple[str, str]]:
+    """The (start, end) markers of a model's reasoning, from its vocabulary; None for
+    a model that does not reason in marked text."""
+    for start, end in _THINK_TOKENS:
+        if start in vocabulary and end in vocabulary:
+            return start, end
+    for tokens, markers in _THINK_TEXTS:
+        if all(t in vocabulary for t in tokens):
+            return markers
+    return None
+
+
+def _model_type(model_path: Path) -> Optional[str]:
+    try:
+        with open(model_path / "config.json", encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if isinstance(model_type, str) else None
+
+
+def _tool_format(tokenizer: PreTrainedTokenizerBase, model_type: Optional[str]):
+    """The tool_parsers module of a tokenizer: as its tokenizer_config.json names it
+    (`tool_parser_type`), else as its chat template's markers or its vocabulary and
+    family imply; None if nothing does. Recorded in `init_kwargs`, as upstream does."""
+    name = tokenizer.init_kwargs.get("tool_parser_type")
+    if name is None:
+        name = tool_parsers.parser_for_template(tokenizer.chat_template)
+    if name is None:
+        name = tool_parsers.parser_for_model(tokenizer.get_vocab(), model_type)
+    if name is None:
+        return None
+    tokenizer.init_kwargs["tool_parser_type"] = name
+    return tool_parsers.load_parser(name)
