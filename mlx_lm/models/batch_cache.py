@@ -29,8 +29,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+from .cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 from .cache import SharedKVReader
+from .masks import chunked_mask_for_positions
 
 
 NO_TOKEN = -1  # the position of a column that holds no token (padding, a rejected draft)
@@ -184,13 +185,18 @@ class _AlignedKV:
         gapless = not any(self.num_invalid)
         if num_queries == 1 and gapless and (window is None or self.width < window) and not return_array:
             return None
-        query_pos = self.offset[:, None] + mx.arange(num_queries, dtype=mx.int32)  # (B, N)
-        held = self.positions[:, : self.width] if self.positions is not None else query_pos[:, :0]
-        key_pos = mx.concatenate([held, query_pos], axis=1)[:, None, :]  # (B, 1, S)
+        query_pos, key_pos = self._mask_positions(num_queries)
         mask = (key_pos >= 0) & (key_pos <= query_pos[..., None])  # (B, N, S)
         if window is not None:
             mask = mask & (query_pos[..., None] - key_pos < window)
         return mask[:, None]
+
+    def _mask_positions(self, num_queries: int) -> Tuple[mx.array, mx.array]:
+        """The positions of num_queries new tokens, (B, N), and of the columns their
+        update returns, (B, 1, S) (NO_TOKEN for a column holding none)."""
+        query_pos = self.offset[:, None] + mx.arange(num_queries, dtype=mx.int32)  # (B, N)
+        held = self.positions[:, : self.width] if self.positions is not None else query_pos[:, :0]
+        return query_pos, mx.concatenate([held, query_pos], axis=1)[:, None, :]  # (B, 1, S)
 
     def trim_rows(self, counts: Sequence[int]) -> None:
         """Forget the last counts[b] tokens of each row b, which must be its last
@@ -308,6 +314,8 @@ class BatchRotatingKVCache(_AlignedKV):
     """RotatingKVCache rows (sliding windows, no sink tokens) side by side: the newest
     columns right-aligned, each query masked to its window of `max_size` tokens."""
 
+    row_class = RotatingKVCache  # what extract gives back
+
     def __init__(self, buffers, positions, width: int, lengths: List[int], num_invalid: List[int], max_size: int):
         super().__init__(buffers, positions, width, lengths, num_invalid)
         self.max_size = max_size
@@ -346,21 +354,39 @@ class BatchRotatingKVCache(_AlignedKV):
     def extend(self, other: "BatchRotatingKVCache") -> "BatchRotatingKVCache":
         if other.max_size != self.max_size:
             raise ValueError(f"rotating caches of sizes {self.max_size} and {other.max_size} cannot share a batch")
-        return BatchRotatingKVCache(*self._joined(other), max_size=self.max_size)
+        return type(self)(*self._joined(other), max_size=self.max_size)
 
     def filter(self, indices: Sequence[int]) -> "BatchRotatingKVCache":
-        return BatchRotatingKVCache(*self._take_rows(indices), max_size=self.max_size)
+        return type(self)(*self._take_rows(indices), max_size=self.max_size)
 
     def extract(self, index: int) -> RotatingKVCache:
         """The row as a RotatingKVCache holding its newest tokens in temporal order
         (the write index past them: the next write overwrites the oldest)."""
         columns = [] if self.buffers is None else self._row_columns(index)[-self.max_size :]
         if not columns:
-            return RotatingKVCache(self.max_size)
+            return self.row_class(self.max_size)
         assert len(columns) == min(self.lengths[index], self.max_size), "a window row lost a token it needs"
         state = tuple(self._row(index, columns))
         meta = tuple(map(str, (0, self.max_size, self.lengths[index], len(columns))))
-        return RotatingKVCache.from_state(state, meta)
+        return self.row_class.from_state(state, meta)
+
+
+class BatchChunkedKVCache(BatchRotatingKVCache):
+    """ChunkedKVCache rows side by side: the layout of BatchRotatingKVCache (each row
+    keeps its chunk_size newest tokens), masked by chunk instead of by window. Chunks
+    count from each row's own first token, as transformers aligns them past left
+    padding."""
+
+    row_class = ChunkedKVCache
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
+        """(B, 1, N, S) boolean: the query at position p of row b sees the columns holding
+        that row's positions of p's chunk up to p."""
+        if window_size is not None:
+            raise ValueError(f"a batched chunked cache masks by its chunks of {self.max_size}; "
+                             f"got window_size={window_size}")
+        query_pos, key_pos = self._mask_positions(num_queries)
+        return chunked_mask_for_positions(query_pos[..., None], key_pos, self.max_size)[:, None]
 
 
 class BatchQuantizedKVCache(_AlignedKV, QuantizedKVCache):
@@ -596,6 +622,7 @@ BATCH_CLASSES = {
     CacheList: BatchCacheList,
     SharedKVReader: BatchSharedKVReader,
 }
+BATCH_CLASSES[ChunkedKVCache] = BatchChunkedKVCache
 
 
 def batch_class(entry: Any):
