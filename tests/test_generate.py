@@ -247,3 +247,19 @@ def test_generation_runs_on_generation_stream():
     with mx.stream(generation_stream):
         inside = mx.default_stream(mx.default_device())
     assert seen == [inside] and mx.default_stream(mx.default_device()) != inside
+
+
+def test_from_draft_flags_with_an_explicit_draft_length(tiny):
+    """Upstream 0.32.2 drafts num_draft_tokens every round: with the target as its own
+    draft and num_draft_tokens=2 its flags are [T, T, F, T, T]. Here that length is a
+    cap and the adaptive policy starts cold with two plain rounds and a slow start
+    (README, Differences from upstream); adaptive_draft_length=False (the CLI's
+    --fixed-draft-length) drafts the cap every round, as upstream."""
+    model, tokenizer = tiny
+
+    def flags(**kwargs):
+        return [r.from_draft for r in stream_generate(model, tokenizer, "hello", max_tokens=5, draft_model=model,
+                                                      num_draft_tokens=2, **kwargs)]
+
+    assert flags(adaptive_draft_length=False) == [True, True, False, True, True]
+    assert flags() == [False, False, True, False, True]
