@@ -1,14 +1,17 @@
 """What an exact speculative rollback of recurrent layers costs, three ways, in one run:
-Gated DeltaNet layers at Qwen3-Next sizes and Mamba-2 layers at Nemotron-H sizes.
+Gated DeltaNet layers at Qwen3-Next sizes, Mamba-2 layers at Nemotron-H sizes and
+RG-LRU blocks at RecurrentGemma-2B sizes.
 
     python benchmarks/rollback_cost.py [--blas auto|openblas|reference] [--repeats 9]
-                                       [--families gdn,mamba2]
+                                       [--families gdn,mamba2,rg_lru]
 
 Each family is a model of recurrent layers only, random weights, fp32:
 - gdn: qwen3_next, 3 linear-attention layers (hidden 2048, 16 key heads, 32 value
   heads, head dims 128, conv kernel 4; a small dense MLP so the GDN layers dominate);
 - mamba2: nemotron_h, 2 Mamba-2 blocks at Nemotron-H 8B sizes (hidden 4096, 128 heads
-  of dim 64, state 128, 8 groups, conv kernel 4).
+  of dim 64, state 128, 8 groups, conv kernel 4);
+- rg_lru: recurrent_gemma, 2 recurrent blocks at RecurrentGemma-2B sizes (hidden and
+  lru_width 2560, 10 gate heads, conv kernel 4; a small MLP).
 It prefills 64 tokens, then runs one verify forward of k+1 tokens (k = 2, 4, 8 drafts)
 and rolls back to m accepted tokens. Strategies:
 
@@ -24,7 +27,8 @@ Times are medians over repeats; m = k (one draft rejected, the longest replay) a
 mean over m = 1..k. Bytes are what each strategy keeps per speculative token per layer,
 beyond the state every strategy holds. Each family runs in its own child process.
 Writes results/rollback_cost.md, .json (the numbers) and .png (needs matplotlib;
-`--replot` redraws both from the .json).
+`--replot` redraws both from the .json); a run of some `--families` keeps the saved
+results of the others.
 """
 
 import argparse
@@ -55,6 +59,19 @@ FAMILIES = {
             num_attention_heads=32, num_key_value_heads=8, vocab_size=1024, mamba_num_heads=128,
             mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
         ),
+    ),
+    "rg_lru": dict(
+        title="RG-LRU, RecurrentGemma-2B recurrent-block sizes",
+        config=dict(
+            model_type="recurrent_gemma", hidden_size=2560, lru_width=2560, num_hidden_layers=2,
+            block_types=["recurrent"], num_attention_heads=10, num_key_value_heads=1, vocab_size=1024,
+            intermediate_size=512, conv1d_width=4, attention_window_size=2048,
+        ),
+        note="The RG-LRU state is one vector per layer (lru_width floats), the size of one token's "
+             "recorded inputs: replay keeps the conv input, a and b (about 3 x lru_width floats a token), "
+             "per-position copies of state + conv state 4 x lru_width, and the forward's own per-position "
+             "h (which the block outputs anyway) plus the conv input would be 2 x lru_width. Memory does not "
+             "favour replay here; time still does (a replay is m elementwise steps, no projection).",
     ),
 }
 DRAFT_LENGTHS = (2, 4, 8)
@@ -160,6 +177,10 @@ def measure(model, tokens, fresh_cache, repeats) -> dict:
     )
 
 
+def size_label(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
+
+
 def table(result: dict) -> list:
     rows = result["rows"]
     lines = [
@@ -182,15 +203,20 @@ def table(result: dict) -> list:
         "",
         f"Snapshot + re-forward also keeps the hidden input of each token "
         f"({rows[0]['reforward_bytes_per_token'] / 1024:.0f} KiB) to run it again. Every strategy holds "
-        f"the pre-forward state ({rows[0]['snapshot_bytes'] / 2**20:.1f} MiB a layer): ours as the "
+        f"the pre-forward state ({size_label(rows[0]['snapshot_bytes'])} a layer): ours as the "
         "rollback snapshot, the others as the state they restore or start from.",
         "",
     ]
-    return lines
+    note = FAMILIES[result["family"]].get("note")
+    return lines + ([note, ""] if note else [])
 
 
 def write_report(results: list, repeats: int) -> None:
-    blas = results[0]["blas"]
+    by_blas = {}
+    for r in results:
+        by_blas.setdefault(r["blas"], []).append(r["family"])
+    blas = results[0]["blas"] if len(by_blas) == 1 else "; ".join(
+        f"{label} ({', '.join(families)})" for label, families in by_blas.items())
     lines = [
         "# Exact recurrent-layer rollback: replay vs snapshot + re-forward vs per-position state copies",
         "",
@@ -258,7 +284,15 @@ def main():
         parser.error(f"--families: unknown {unknown}; choose from {list(FAMILIES)}")
     (blas,) = resolve_blas_choices(args.blas)
     results = [run_worker(__file__, blas, ["--family", f, "--repeats", str(args.repeats)]) for f in families]
-    write_report(results, args.repeats)
+    write_report(with_saved_results(results), args.repeats)
+
+
+def with_saved_results(results: list) -> list:
+    """`results` plus the saved ones of the families not run now, in FAMILIES order."""
+    saved = RESULTS / "rollback_cost.json"
+    by_family = {r["family"]: r for r in json.loads(saved.read_text())["results"]} if saved.exists() else {}
+    by_family.update({r["family"]: r for r in results})
+    return [by_family[f] for f in FAMILIES if f in by_family]
 
 
 if __name__ == "__main__":
