@@ -26,6 +26,7 @@ MODEL_REMAPPING = {
     "gemma3_text": "gemma3",
     "gemma3n_text": "gemma3n",
     "ministral": "llama",
+    "llama4_text": "llama4",
 }
 
 # What a hub download fetches: configs, weights, code-free tokenizer files.
