@@ -11,11 +11,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from ._version import __version__
+from .chat_output import ChatDelta, ChatPlan, ChatTextRouter, plain_router
 from .generate import SpeculationStats
 
 DEFAULT_MODEL_NAME = "default_model"  # what OpenAI-style clients send for "the model"
@@ -65,6 +66,9 @@ class GenerationRequest:
     messages: Optional[List[Dict[str, Any]]]
     prompt: Any  # text: a string or token ids
     tools: Optional[List[Any]]
+    tool_choice: str  # "auto", "none" or "required" (also for a named function)
+    named_tool: Optional[str]  # the function tool_choice names
+    parallel_tool_calls: bool
     chat_template_kwargs: Dict[str, Any]
     max_tokens: int
     sampling: Dict[str, Any]  # make_sampler keyword arguments
@@ -226,9 +230,36 @@ def _messages(body: dict) -> List[Dict[str, Any]]:
 def _tools(body: dict) -> Optional[List[Dict[str, Any]]]:
     tools = _get(body, "tools", (list,), "a list of tools")
     for i, tool in enumerate(tools or []):
-        if not isinstance(tool, dict):
-            raise _bad(f"tools[{i}]", 'an object {"type": "function", "function": {...}}', tool)
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
+            raise _bad(f"tools[{i}]", 'an object {"type": "function", "function": {"name": ..., ...}}', tool)
     return tools
+
+
+def _tool_choice(body: dict, tools: Optional[List[Dict[str, Any]]]) -> Tuple[str, Optional[str]]:
+    """(choice, named function): "auto" (the default), "none", "required", or
+    {"type": "function", "function": {"name": ...}}, which is "required" of that one."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto", None
+    expected = '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise _bad("tool_choice", expected, choice)
+        named = None
+    else:
+        function = choice.get("function") if isinstance(choice, dict) else None
+        named = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(named, str) or choice.get("type", "function") != "function":
+            raise _bad("tool_choice", expected, choice)
+    if choice not in ("auto", "none") and not tools:
+        raise RequestError(400, f"'tool_choice' {json.dumps(choice)[:100]} needs 'tools': send the functions "
+                                "the model may call")
+    names = [t["function"]["name"] for t in tools or []]
+    if named is not None and named not in names:
+        raise RequestError(400, f"'tool_choice' names the function {named!r}, which is not among the request's "
+                                f"tools ({', '.join(map(repr, names))})")
+    return ("required", named) if named is not None else (choice, None)
 
 
 def _prompt(body: dict) -> Any:
@@ -282,13 +313,18 @@ def parse_request(body: Any, kind: str, defaults: ServerDefaults) -> GenerationR
         logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
     stream_options = _get(body, "stream_options", (dict,), "an object", {})
     template_kwargs = _get(body, "chat_template_kwargs", (dict,), "an object", {})
+    tools = _tools(body)
+    tool_choice, named_tool = _tool_choice(body, tools) if kind == "chat" else ("auto", None)
     return GenerationRequest(
         kind=kind,
         model=_get(body, "model", (str,), "a string"),
         draft_model=_get(body, "draft_model", (str,), "a string"),
         messages=_messages(body) if kind == "chat" else None,
         prompt=_prompt(body) if kind == "text" else None,
-        tools=_tools(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        named_tool=named_tool,
+        parallel_tool_calls=_get(body, "parallel_tool_calls", (bool,), "true or false", True),
         chat_template_kwargs={**defaults.chat_template_args, **template_kwargs},
         max_tokens=max_tokens,
         sampling=_sampling_fields(body, defaults),
@@ -431,36 +467,66 @@ SYSTEM_FINGERPRINT = f"mlx_lm-{__version__}-mlx-{mx.__version__}-{platform.syste
 
 
 class ResponseBuilder:
-    """Builds the chat.completion / text_completion bodies and chunks of one request."""
+    """Builds the chat.completion / text_completion bodies and chunks of one request.
+    A chat's text is split into content, reasoning and tool calls by the router of its
+    ChatPlan (chat_output.py), which `plan` returns once the prompt is rendered (the
+    worker renders another model's prompt, so it is asked for at the first text)."""
 
-    def __init__(self, request: GenerationRequest, model_name: str):
+    def __init__(self, request: GenerationRequest, model_name: str,
+                 plan: Callable[[], Optional[ChatPlan]] = lambda: None):
         self.chat = request.kind == "chat"
+        self.stream = request.stream
         self.logprobs = request.logprobs
         self.header = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4()}", "created": int(time.time()),
                        "model": model_name, "system_fingerprint": SYSTEM_FINGERPRINT}
         self.chunk_header = {**self.header, "object": "chat.completion.chunk" if self.chat else "text_completion"}
         self.text_offset = 0
+        self._plan = plan
+        self._router: Optional[ChatTextRouter] = None
 
-    def _choice(self, text: str, entries: List[TokenLogprob], finish_reason: Optional[str], stream: bool) -> dict:
+    @property
+    def router(self) -> ChatTextRouter:
+        if self._router is None:
+            plan = self._plan() if self.chat else None
+            self._router = plain_router() if plan is None else plan.router(self.stream)
+        return self._router
+
+    def _read(self, text: str, finish_reason: Optional[str]) -> Tuple[ChatDelta, Optional[str]]:
+        """What `text` adds to the answer; at the end, the rest, and "tool_calls" for
+        an answer that stopped after calling tools."""
+        delta = self.router.add(text)
+        if finish_reason is not None:
+            delta.extend(self.router.finish())
+            if finish_reason == "stop" and self.router.made_tool_call:
+                finish_reason = "tool_calls"
+        return delta, finish_reason
+
+    def _choice(self, text: str, entries: List[TokenLogprob], finish_reason: Optional[str]) -> Optional[dict]:
+        delta, finish_reason = self._read(text, finish_reason) if self.chat else (ChatDelta(text), finish_reason)
+        if self.stream and not (delta or entries or finish_reason):
+            return None  # e.g. text of a tool call still being written
         choice: Dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self.logprobs:
             choice["logprobs"] = chat_logprobs(entries) if self.chat else text_logprobs(entries, self.text_offset)
         self.text_offset += len(text)
         if not self.chat:
-            choice["text"] = text
-        elif stream:
-            choice["delta"] = {"content": text} if text or finish_reason is None else {}
-        else:  # an empty answer is "" as in OpenAI's (null is for a reply of tool calls only)
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["text"] = delta.content
+        elif self.stream:
+            choice["delta"] = delta.fields() if delta or finish_reason else {"content": ""}
+        else:  # an empty answer is "" as in OpenAI's; null is for a reply of tool calls only
+            content = None if delta.tool_calls and not delta.content else delta.content
+            choice["message"] = {"role": "assistant", **delta.fields(), "content": content}
         return choice
 
     def completion(self, result: GenerationResult) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
-        choice = self._choice(result.text, result.logprobs, result.finish_reason, stream=False)
+        choice = self._choice(result.text, result.logprobs, result.finish_reason)
         return {**self.header, "object": obj, "choices": [choice], "usage": usage(result)}
 
-    def chunk(self, text: str, entries: List[TokenLogprob], finish_reason: Optional[str] = None) -> dict:
-        return {**self.chunk_header, "choices": [self._choice(text, entries, finish_reason, stream=True)]}
+    def chunk(self, text: str, entries: List[TokenLogprob], finish_reason: Optional[str] = None) -> Optional[dict]:
+        """A stream chunk, or None when there is nothing to send yet."""
+        choice = self._choice(text, entries, finish_reason)
+        return None if choice is None else {**self.chunk_header, "choices": [choice]}
 
     def role_chunk(self) -> dict:
         delta = {"role": "assistant", "content": ""}

@@ -25,6 +25,12 @@ OpenAI's shape. A request must carry exactly one Content-Length (a repeated one 
 refused even when the copies agree). Web pages get in only from --allowed-origins
 (CORS): a request whose Origin header is not listed is refused with 403 before any work.
 
+Tool calls and reasoning (chat_output.py): `tools`, `tool_choice` and
+`parallel_tool_calls` as OpenAI's; the model's tool-call text (its format from
+tool_parsers/) becomes `tool_calls` (streamed when a call is complete; finish_reason
+"tool_calls"), and text between its reasoning markers `reasoning_content` (also
+upstream's `reasoning`). Tool-call text that does not parse is returned as content.
+
 Extensions to OpenAI's schema: request `num_draft_tokens`; in `usage`,
 `speculation: {num_drafted, num_accepted, num_target_forwards, ...}` (with the
 per-depth acceptance, round costs and the speedup bound: openai_api.usage) and
@@ -516,7 +522,7 @@ class APIHandler(BaseHTTPRequestHandler):
             raise
         self.server.worker.submit(job)
         name = self.server.provider.model_id if job.model_key is None else model_id(job.model_key)
-        builder = ResponseBuilder(request, name)
+        builder = ResponseBuilder(request, name, lambda: job.chat_plan)
         self._last_probe = -math.inf
         try:
             if request.stream:
@@ -591,7 +597,9 @@ class APIHandler(BaseHTTPRequestHandler):
             if event[0] == "keepalive":
                 self._write_event(f": keepalive {event[1]}/{event[2]}\n\n")
             elif event[0] == "delta":
-                self._write_event(f"data: {json.dumps(builder.chunk(event[1], event[2]))}\n\n")
+                chunk = builder.chunk(event[1], event[2])
+                if chunk is not None:  # None: nothing to send yet (a tool call still being written)
+                    self._write_event(f"data: {json.dumps(chunk)}\n\n")
             elif event[0] == "error":  # after the headers: report in band
                 self._write_event(f"data: {json.dumps(error_body(event[1], event[2]))}\n\ndata: [DONE]\n\n")
                 return

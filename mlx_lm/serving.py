@@ -50,7 +50,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Dict, Generator, List, Optional
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -59,6 +59,7 @@ from .drafters import DEFAULT_PREFILL_STEP_SIZE, MTPHead, PromptLookup, check_mt
 from .generate import GenerationResponse, SpeculationStats, check_same_tokenizer, stream_generate
 from .speculative import check_can_speculate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
+from .chat_output import ChatPlan, forced_call_prefix, plan_chat, template_tools
 from .metrics import Metrics
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from .openai_api import (
@@ -210,41 +211,59 @@ class ServedModel:
         """The request's prompt tokens, refused (400) past the prompt limit or when they
         leave no room for an answer. Needs no MLX, so the server calls it on the
         request's own thread: a huge prompt never occupies the generation worker."""
-        tokens = self._tokenize(request)
+        return self.encode_with_plan(request)[0]
+
+    def encode_with_plan(self, request: GenerationRequest) -> Tuple[List[int], Optional[ChatPlan]]:
+        """`encode`, and for a chat how its answer is read (chat_output.ChatPlan)."""
+        if request.kind == "chat":
+            text = self._render(request)
+            tokens = self._tokenize_text(text, {"add_special_tokens": False})
+            plan = plan_chat(self.tokenizer, text, request.tool_choice, request.tools, request.parallel_tool_calls)
+        else:
+            tokens, plan = self._tokenize(request), None
         if not tokens:
             raise RequestError(400, "the prompt is empty after tokenization")
         if len(tokens) > self.max_prompt_tokens:
             raise self._too_long(f"{len(tokens)} tokens")
         self.max_new_tokens(len(tokens), 1)
-        return tokens
+        return tokens, plan
 
     def _tokenize(self, request: GenerationRequest) -> List[int]:
-        if request.kind == "text" and isinstance(request.prompt, list):
+        if isinstance(request.prompt, list):
             if len(request.prompt) > self.max_prompt_tokens:  # before looking at each id
                 raise self._too_long(f"{len(request.prompt)} tokens")
             bad = [t for t in request.prompt if t >= self.vocab_size]
             if bad:
                 raise RequestError(400, f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
             return list(request.prompt)
-        if request.kind == "text":
-            text, kwargs = request.prompt, {}
-        else:
-            text, kwargs = self._render(request), {"add_special_tokens": False}
+        return self._tokenize_text(request.prompt, {})
+
+    def _tokenize_text(self, text: str, kwargs: Dict[str, Any]) -> List[int]:
         if len(text) > self.max_prompt_tokens * self.longest_token_chars:
             raise self._too_long(f"{len(text)} characters, more than {self.max_prompt_tokens} tokens of at most "
                                  f"{self.longest_token_chars} characters each can hold")
         return self.tokenizer.encode(text, **kwargs)
 
     def _render(self, request: GenerationRequest) -> str:
+        """The chat prompt: the template renders the messages (tool results included)
+        and the tools tool_choice leaves; a required call ends it with the start marker."""
         if not self.tokenizer.has_chat_template:
             raise RequestError(400, f"{self.name} has no chat template: use /v1/completions, or start the server with --chat-template")
+        try:
+            prefix = forced_call_prefix(self.tokenizer, request.tool_choice)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        if request.tools and not self.tokenizer.has_tool_calling:
+            log.warning("The request has tools, but %s names no tool-call format: its calls come back as content",
+                        self.name)
         kwargs = dict(request.chat_template_kwargs)
-        if request.tools:
-            kwargs["tools"] = request.tools
+        tools = template_tools(request.tools, request.tool_choice, request.named_tool)
+        if tools:
+            kwargs["tools"] = tools
         try:
             return self.tokenizer.apply_chat_template(
                 request.messages, tokenize=False, add_generation_prompt=True, **kwargs
-            )
+            ) + prefix
         except Exception as e:  # jinja raises its own types, templates call raise_exception
             raise RequestError(400, f"the chat template could not render these messages: {e}") from None
 
@@ -288,12 +307,15 @@ class Job:
     """One request on its way through the worker. `events` carries, in order:
     ("keepalive", done, total)* and ("delta", text, [TokenLogprob])* (streams only),
     then ("done", GenerationResult) or ("error", status, message). `tokens`: the
-    prompt, if already tokenized (and checked against the prompt limit)."""
+    prompt, if already tokenized (and checked against the prompt limit).
+    `chat_plan`: how a chat answer is read (chat_output.py), set with the tokens."""
 
-    def __init__(self, request: GenerationRequest, model_key: Optional[str], tokens: Optional[List[int]] = None):
+    def __init__(self, request: GenerationRequest, model_key: Optional[str], tokens: Optional[List[int]] = None,
+                 chat_plan: Optional[ChatPlan] = None):
         self.request = request
         self.model_key = model_key
         self.tokens = tokens
+        self.chat_plan = chat_plan
         self.events: "queue.Queue[tuple]" = queue.Queue()
         self.cancelled = threading.Event()
 
@@ -363,7 +385,9 @@ class ModelProvider:
         """Resolve the model and, for the served one, tokenize on the calling (request)
         thread; another model's prompt is tokenized by the worker once it is loaded."""
         key = self.resolve(request)
-        return Job(request, key, self.default.encode(request) if key is None else None)
+        if key is not None:
+            return Job(request, key)
+        return Job(request, None, *self.default.encode_with_plan(request))
 
 
 class _Cancelled(Exception):
@@ -495,7 +519,9 @@ class GenerationWorker:
         if request.num_draft_tokens is not None and not speculating:
             raise RequestError(400, "num_draft_tokens needs a server started with --draft-model, --prompt-lookup "
                                     "or --mtp")
-        tokens = job.tokens if job.tokens is not None else served.encode(request)
+        if job.tokens is None:  # another model's: rendered now that it is loaded
+            job.tokens, job.chat_plan = served.encode_with_plan(request)
+        tokens = job.tokens
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
         fetched = served.prompt_cache.fetch(tokens)
