@@ -178,12 +178,12 @@ def parameter_bytes(module: nn.Module) -> int:
 
 
 def shard_gated_delta(gdn: nn.Module, group: mx.distributed.Group, *,
-                      per_head: Sequence[str] = (), qkv_ordered: Sequence[str] = ()) -> None:
+                      per_head: Sequence[str] = (), qkv_ordered: Sequence[str] = (), out: str = "out_proj") -> None:
     """Keep this rank's key heads of a Gated DeltaNet layer, each with its r value heads,
     in place (qwen3_next's GatedDeltaNet attributes). `per_head` projections have rows
     ordered by key head (so contiguous blocks are whole heads), `qkv_ordered` ones rows
     [all q | all k | all v], like the conv channels. A_log and dt_bias are per value
-    head; out_proj all-sums over the value heads' columns. The conv and recurrent
+    head; `out` (out_proj) all-sums over the value heads' columns. The conv and recurrent
     states then hold only this rank's channels and heads, and so does every rollback
     record made from them."""
     key_dim = gdn.key_dim
@@ -194,7 +194,7 @@ def shard_gated_delta(gdn: nn.Module, group: mx.distributed.Group, *,
     gdn.conv1d.weight = take_shard(gdn.conv1d.weight, group, axis=0, segments=[key_dim, 2 * key_dim])  # (C/N, K, 1)
     gdn.A_log = take_shard(gdn.A_log, group)
     gdn.dt_bias = take_shard(gdn.dt_bias, group)
-    shard_projections(gdn, ("out_proj",), SHARDED_TO_ALL, group)
+    shard_projections(gdn, (out,), SHARDED_TO_ALL, group)
     gdn.key_dim = gdn.num_key_heads * gdn.key_head_dim
     gdn.value_dim = gdn.num_value_heads * gdn.value_head_dim
     gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
