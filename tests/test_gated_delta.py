@@ -11,11 +11,13 @@ from mlx_lm.models.gated_delta import (
     CHUNK_SIZE,
     CHUNKED_MIN_TOKENS,
     CHUNKS_PER_BLOCK,
+    compute_beta,
     compute_g,
     gated_delta_chunked,
     gated_delta_recurrence,
     gated_delta_replay,
     gated_delta_sequential,
+    gated_delta_update,
     unit_lower_inverse,
 )
 
@@ -38,8 +40,9 @@ def reference(q, k, v, g, beta, state):
     return y, S
 
 
-def make_inputs(B=1, T=8, Hk=2, Hv=4, Dk=16, Dv=8, seed=0, similar_keys=False, g_range=(0.5, 1.0)):
-    """Normalised q (scaled by Dk^-1/2) and k, as the models feed them, and an initial state."""
+def make_inputs(B=1, T=8, Hk=2, Hv=4, Dk=16, Dv=8, seed=0, similar_keys=False, g_range=(0.5, 1.0), beta_max=1.0):
+    """Normalised q (scaled by Dk^-1/2) and k, as the models feed them, and an initial
+    state; beta in (0, beta_max) (2: the negative-eigenvalue variant)."""
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((2, B, T, Hk, Dk))
     if similar_keys:  # every key nearly the same direction: the UT system is near-singular
@@ -48,7 +51,7 @@ def make_inputs(B=1, T=8, Hk=2, Hv=4, Dk=16, Dv=8, seed=0, similar_keys=False, g
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((B, T, Hv, Dv))
     g = rng.uniform(*g_range, (B, T, Hv))
-    beta = rng.uniform(0, 1, (B, T, Hv))
+    beta = rng.uniform(0, beta_max, (B, T, Hv))
     state = rng.standard_normal((B, Hv, Dv, Dk)) * 0.3
     return [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta, state)]
 
@@ -193,3 +196,73 @@ def test_replay_equals_reference_final_state(T):
     q, k, v, g, beta, _ = inputs
     zero_start = gated_delta_replay(q, k, v, g, beta, None)
     assert relative_error(zero_start, reference(q, k, v, g, beta, np.zeros(inputs[5].shape))[1]) < FP32_TOLERANCE
+
+
+# --- the negative-eigenvalue variant (OLMo Hybrid): beta in (0, 2) --------------------------
+
+
+def test_compute_beta_doubles_the_sigmoid_for_negative_eigenvalues():
+    b = mx.array(np.linspace(-8, 8, 33, dtype=np.float32)).reshape(1, 11, 3)
+    plain, doubled = compute_beta(b), compute_beta(b, allow_neg_eigval=True)
+    assert plain.dtype == doubled.dtype == mx.float32
+    want = 1 / (1 + np.exp(-np.array(b, dtype=np.float64)))
+    assert relative_error(plain, want) < 1e-6 and relative_error(doubled, 2 * want) < 1e-6
+    assert 1.9 < mx.max(doubled).item() < 2.0 and mx.min(doubled).item() > 0
+    assert compute_beta(b.astype(mx.bfloat16), True).dtype == mx.float32
+
+
+def test_betas_above_one_flip_the_state_along_the_key():
+    """One write with beta = 1.5 along a unit key k, v = 0: the state's k-component goes
+    from S k to (1 - beta) S k = -0.5 S k (a negative eigenvalue), in every path."""
+    q, k, v, g, beta, state = make_inputs(T=1, Hk=1, Hv=1, seed=9)
+    v, g, beta = mx.zeros_like(v), mx.ones_like(g), mx.full(beta.shape, 1.5)
+    before = state[0, 0] @ k[0, 0, 0]
+    for path in (gated_delta_sequential, gated_delta_chunked):
+        after = path(q, k, v, g, beta, state)[1][0, 0] @ k[0, 0, 0]
+        assert mx.allclose(after, -0.5 * before, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("Hk,Hv", [(2, 2), (2, 4)])
+def test_sequential_matches_reference_with_negative_eigenvalues(Hk, Hv):
+    inputs = make_inputs(B=2, T=9, Hk=Hk, Hv=Hv, seed=30 + Hv, beta_max=2.0)
+    assert mx.max(inputs[4]).item() > 1.5
+    y, state = gated_delta_sequential(*inputs)
+    y_ref, state_ref = reference(*inputs)
+    assert relative_error(y, y_ref) < FP32_TOLERANCE
+    assert relative_error(state, state_ref) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "T,Hk,Hv,similar_keys", [(CHUNK_SIZE, 2, 2, False), (2 * CHUNK_SIZE + 3, 2, 4, False), (70, 1, 3, True)]
+)
+def test_chunked_matches_reference_with_negative_eigenvalues(T, Hk, Hv, similar_keys):
+    """Near-parallel keys with beta up to 2 keep the UT system well-conditioned: each
+    write's factor along the shared key is 1 - beta, of modulus below 1."""
+    inputs = make_inputs(T=T, Hk=Hk, Hv=Hv, seed=40 + T, similar_keys=similar_keys, beta_max=2.0)
+    y, state = gated_delta_chunked(*inputs)
+    y_ref, state_ref = reference(*inputs)
+    assert relative_error(y, y_ref) < FP32_TOLERANCE
+    assert relative_error(state, state_ref) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("T", [1, 3, 5, 8])
+def test_replay_equals_reference_with_negative_eigenvalues(T):
+    """The whole recorded window, and per-row prefixes (rows T and T - 1) in one replay."""
+    inputs = make_inputs(B=2, T=T, Hk=2, Hv=4, Dk=32, Dv=16, seed=200 + T, beta_max=2.0)
+    assert relative_error(gated_delta_replay(*inputs), reference(*inputs)[1]) < FP32_TOLERANCE
+    per_row = gated_delta_replay(*inputs, num_steps=[T, T - 1])
+    for row, n in ((0, T), (1, T - 1)):
+        sliced = [x[row : row + 1, :n] for x in inputs[:5]] + [inputs[5][row : row + 1]]
+        assert relative_error(per_row[row : row + 1], reference(*sliced)[1]) < FP32_TOLERANCE
+
+
+def test_update_takes_the_variant_as_an_option():
+    q, k, v, _, _, state = make_inputs(T=6, Hk=2, Hv=4, seed=11)
+    rng = np.random.default_rng(12)
+    a, b = (mx.array(rng.standard_normal((1, 6, 4)).astype(np.float32)) for _ in range(2))
+    A_log, dt_bias = mx.zeros((4,)), mx.ones((4,))
+    g = compute_g(A_log, a, dt_bias)
+    for allow in (False, True):
+        y, new_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, allow_neg_eigval=allow)
+        y_ref, state_ref = reference(q, k, v, g, compute_beta(b, allow), state)
+        assert relative_error(y, y_ref) < FP32_TOLERANCE and relative_error(new_state, state_ref) < FP32_TOLERANCE

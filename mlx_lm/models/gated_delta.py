@@ -2,7 +2,8 @@
 attention layers.
 
 Per value head, with an fp32 state S (Dv, Dk) and per-token inputs q, k (Dk), v (Dv),
-gate g in (0, 1] and write strength beta in (0, 1):
+gate g in (0, 1] and write strength beta in (0, 1), or in (0, 2) for the
+negative-eigenvalue variant (OLMo Hybrid, `compute_beta(..., allow_neg_eigval=True)`):
 
     S <- g * S                      (forget)
     delta = beta * (v - S k)        (what the memory gets wrong about v)
@@ -10,6 +11,13 @@ gate g in (0, 1] and write strength beta in (0, 1):
     y = S q                         (read)
 
 Value heads share key heads: value head h reads query/key head h // (Hv // Hk).
+
+With unit keys the write maps S to S (I - beta k k^T) + beta v k^T: along k the state is
+scaled by 1 - beta, in (0, 1) for beta in (0, 1) and in (-1, 1) for beta in (0, 2), so a
+write can also flip the sign of what the state holds along k (Grazzi et al., "Unlocking
+State-Tracking in Linear RNNs Through Negative Eigenvalues", arXiv 2411.12537). Every
+path below takes beta as an input and is exact for either range: the variant is chosen
+only where beta is formed.
 
 Two pure-MLX paths sit behind `gated_delta_recurrence` (and upstream's entry point
 `gated_delta_update`, which takes the raw gate inputs):
@@ -51,6 +59,16 @@ def compute_g(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     x = a.astype(mx.float32) + dt_bias.astype(mx.float32)
     softplus = mx.logaddexp(x, 0.0)
     return mx.exp(-mx.exp(A_log.astype(mx.float32)) * softplus)
+
+
+def compute_beta(b: mx.array, allow_neg_eigval: bool = False) -> mx.array:
+    """Per-token write strength beta = sigmoid(b), doubled with `allow_neg_eigval`
+    (then in (0, 2): the write's eigenvalue 1 - beta along k may be negative), in fp32.
+
+    b (B, T, Hv) -> beta (B, T, Hv).
+    """
+    beta = mx.sigmoid(b.astype(mx.float32))
+    return 2.0 * beta if allow_neg_eigval else beta
 
 
 def _check_shapes(q, k, v, g, beta, state):
@@ -263,18 +281,21 @@ def gated_delta_update(
     state: Optional[mx.array] = None,
     mask: Optional[mx.array] = None,
     use_kernel: bool = True,
+    *,
+    allow_neg_eigval: bool = False,
 ) -> Tuple[mx.array, mx.array]:
     """Upstream mlx-lm's entry point: the recurrence from the layer's raw gate inputs.
 
     q, k (B, T, Hk, Dk) normalised; v (B, T, Hv, Dv); a, b (B, T, Hv) with
-    g = compute_g(A_log, a, dt_bias) and beta = sigmoid(b); A_log, dt_bias (Hv,);
+    g = compute_g(A_log, a, dt_bias) and beta = compute_beta(b, allow_neg_eigval)
+    (sigmoid(b), doubled for the negative-eigenvalue variant); A_log, dt_bias (Hv,);
     state (B, Hv, Dv, Dk), zeros in fp32 if None; mask (B, T) bool, False marking
     padding steps, which leave the state unchanged and output 0. Returns y (B, T, Hv,
     Dv) in v's dtype and the state in its own dtype. `use_kernel` picks this package's
     fast path (`gated_delta_recurrence`: stepping or chunked by length); False runs the
     plain step-by-step recurrence, the reference (there is no Metal kernel here).
     """
-    g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b.astype(mx.float32))  # (B, T, Hv)
+    g, beta = compute_g(A_log, a, dt_bias), compute_beta(b, allow_neg_eigval)  # (B, T, Hv)
     if mask is not None:  # a padding step: g = 1 and beta = 0 keep the state as it is
         g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
     if use_kernel:
