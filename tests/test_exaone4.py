@@ -62,7 +62,8 @@ def test_rope_only_on_sliding_layers_unless_there_is_no_window():
     model = fixture_model("exaone4_tf5")
     assert [layer.self_attn.use_rope for layer in model.layers] == [True, False, True, False]
     assert [type(c) for c in model.make_cache()] == [RotatingKVCache, KVCache, RotatingKVCache, KVCache]
-    windowless = ModelArgs.from_dict(dict(SHAPE, model_type="exaone4", sliding_window=None, sliding_window_pattern=None))
+    windowless = ModelArgs.from_dict(dict(SHAPE, model_type="exaone4", sliding_window=None,
+                                          sliding_window_pattern=None))
     assert windowless.layer_types == [FULL] * 4
     assert all(layer.self_attn.use_rope for layer in Model(windowless).layers)
 

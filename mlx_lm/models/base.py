@@ -37,6 +37,15 @@ def check_layer_types(layer_types: Sequence[str], num_hidden_layers: int, allowe
         raise ValueError(f"layer_types has unknown kinds {unknown}; expected one of {list(allowed)}")
 
 
+def check_sliding_window(layer_types: Sequence[str], sliding_window: Optional[int]) -> None:
+    """Sliding layers need a positive window, else a ValueError naming the value."""
+    if "sliding_attention" in layer_types and not (isinstance(sliding_window, int) and sliding_window > 0):
+        raise ValueError(
+            f"layer_types has sliding_attention layers but sliding_window is {sliding_window!r}; "
+            "give a positive window size"
+        )
+
+
 def check_head_grouping(num_attention_heads: int, num_key_value_heads: int) -> None:
     """Grouped-query attention needs whole groups of query heads per KV head."""
     if num_attention_heads % num_key_value_heads:

@@ -28,7 +28,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import llama
-from .base import BaseModelArgs, check_head_grouping, check_layer_types, scaled_dot_product_attention
+from .base import (
+    BaseModelArgs,
+    check_head_grouping,
+    check_layer_types,
+    check_sliding_window,
+    scaled_dot_product_attention,
+)
 from .llama import FULL, SLIDING
 from .rope_utils import initialize_rope, resolve_rope
 
@@ -66,7 +72,8 @@ class ModelArgs(BaseModelArgs):
         derived = self.hidden_size // self.num_attention_heads
         if self.head_dim is not None and self.head_dim != derived:
             raise ValueError(
-                f"cohere2 head_dim is hidden_size / num_attention_heads = {derived}; the config says head_dim={self.head_dim}"
+                f"cohere2 head_dim is hidden_size / num_attention_heads = {derived}; "
+                f"the config says head_dim={self.head_dim}"
             )
         self.head_dim = derived
         self._set_layer_types()
@@ -86,11 +93,7 @@ class ModelArgs(BaseModelArgs):
             pattern = self.sliding_window_pattern
             self.layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(self.num_hidden_layers)]
         check_layer_types(self.layer_types, self.num_hidden_layers, (SLIDING, FULL))
-        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
-            raise ValueError(
-                f"layer_types has sliding_attention layers but sliding_window is {self.sliding_window!r}; "
-                "give a positive window size"
-            )
+        check_sliding_window(self.layer_types, self.sliding_window)
 
 
 def layer_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -122,7 +125,9 @@ class Attention(nn.Module):
         # Global layers carry no positional encoding (NoPE); sliding ones interleaved rope.
         self.use_rope = layer_type == SLIDING
         if self.use_rope:
-            self.rope = initialize_rope(head_dim, args.rope_theta, True, args.rope_scaling, args.max_position_embeddings)
+            self.rope = initialize_rope(
+                head_dim, args.rope_theta, True, args.rope_scaling, args.max_position_embeddings
+            )
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
         B, L, _ = x.shape

@@ -28,7 +28,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import llama
-from .base import BaseModelArgs, check_head_grouping, check_layer_types, scaled_dot_product_attention
+from .base import (
+    BaseModelArgs,
+    check_head_grouping,
+    check_layer_types,
+    check_sliding_window,
+    scaled_dot_product_attention,
+)
 from .llama import FULL, SLIDING
 from .rope_utils import initialize_rope, resolve_rope
 
@@ -79,11 +85,7 @@ class ModelArgs(BaseModelArgs):
             else:
                 self.layer_types = layer_types_from_pattern(self.sliding_window_pattern, self.num_hidden_layers)
         check_layer_types(self.layer_types, self.num_hidden_layers, (SLIDING, FULL))
-        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
-            raise ValueError(
-                f"layer_types has sliding_attention layers but sliding_window is {self.sliding_window!r}; "
-                "give a positive window size"
-            )
+        check_sliding_window(self.layer_types, self.sliding_window)
         theta, self.rope_scaling, partial = resolve_rope(self.rope_theta, self.rope_scaling, self.rope_parameters)
         if partial not in (None, 1.0):
             raise ValueError(f"exaone4 rotates whole heads; got partial_rotary_factor={partial}")
@@ -110,7 +112,9 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.use_rope = args.uses_rope(layer_type)
         if self.use_rope:
-            self.rope = initialize_rope(head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
+            self.rope = initialize_rope(
+                head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+            )
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
         B, L, _ = x.shape

@@ -30,7 +30,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import gemma3
-from .base import BaseModelArgs, Mask, check_head_grouping, check_layer_types, scaled_dot_product_attention
+from .base import (
+    BaseModelArgs,
+    Mask,
+    check_head_grouping,
+    check_layer_types,
+    check_sliding_window,
+    scaled_dot_product_attention,
+)
 from .cache import QuantizedKVCache
 from .gpt_oss import FULL, SLIDING
 from .masks import create_causal_mask
@@ -69,11 +76,7 @@ class ModelArgs(BaseModelArgs):
             self.layer_types = [SLIDING if i % 2 == 0 else FULL for i in range(self.num_hidden_layers)]
         check_layer_types(self.layer_types, self.num_hidden_layers, (SLIDING, FULL))
         check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
-        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
-            raise ValueError(
-                f"layer_types has sliding_attention layers but sliding_window is {self.sliding_window!r}; "
-                "give a positive window size"
-            )
+        check_sliding_window(self.layer_types, self.sliding_window)
         theta, self.rope_scaling, partial = resolve_rope(self.rope_theta, self.rope_scaling, self.rope_parameters)
         if partial not in (None, 1.0):
             raise ValueError(f"gemma2 rotates whole heads; got partial_rotary_factor={partial}")
