@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from checkpoints import VOCAB_SIZE, perturb
 from family_checks import FIXTURES, Family, FamilyChecks, fixture_model, reference, relative_error
-from sliding_checks import assert_override_matters, assert_sanitize_is_idempotent
 from mlx.utils import tree_flatten, tree_unflatten
+from sliding_checks import assert_override_matters, assert_sanitize_is_idempotent
 from test_speculative_sampling import PROMPT as LAW_PROMPT
 from test_speculative_sampling import VOCAB as LAW_VOCAB
 from test_speculative_sampling import assert_target_law
 
 from mlx_lm.generate import SpeculationStats, speculative_generate_step
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_lm.models.gemma2 import FULL, SLIDING, Model, ModelArgs, softcapped_attention
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
@@ -175,3 +175,21 @@ def test_speculative_sampling_has_the_target_law_past_the_wrap():
         sampler=sampler, logits_processors=processors)]
     assert 0.2 < stats.acceptance_rate < 0.8
     assert_target_law(target, draft, tokens, sampler, processors, "gemma2 past the wrap")
+
+
+def test_soft_capped_attention_reads_a_quantized_kv_cache():
+    """--kv-bits turns global layers' KVCaches into QuantizedKVCaches (sliding layers'
+    ring buffers refuse it): soft-capping then runs on the dequantized keys and values,
+    close to the float cache at 8 bits."""
+    args = ModelArgs.from_dict(dict(SHAPE, model_type="gemma2", head_dim=32, query_pre_attn_scalar=32,
+                                    layer_types=[FULL] * 4, attn_logit_softcapping=3.0, vocab_size=64))
+    model = Model(args)
+    mx.random.seed(0)
+    model.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.3) for k, v in tree_flatten(model.parameters())]))
+    ids = mx.array([[(7 * i + 3) % 64 for i in range(12)]])
+    float_cache, quantized = model.make_cache(), [KVCache().to_quantized(group_size=32, bits=8) for _ in range(4)]
+    model(ids[:, :8], cache=float_cache)
+    model(ids[:, :8], cache=quantized)
+    assert isinstance(quantized[0], QuantizedKVCache)
+    want, got = model(ids[:, 8:], cache=float_cache), model(ids[:, 8:], cache=quantized)
+    assert 0 < relative_error(got, want) < 0.02
