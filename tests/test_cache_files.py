@@ -83,22 +83,60 @@ def test_every_cache_type_round_trips(tmp_path, name):
         assert all(mx.array_equal(a, b) for (_, a), (_, b) in zip(tree_flatten(got_out), tree_flatten(want_out)))
 
 
-def test_file_layout_is_upstreams(tmp_path):
+def test_file_layout_is_upstreams_current_one(tmp_path):
+    """Upstream 0.32.1+ (#1778): scalars inside the states, "1.<layer>" class names,
+    "0.<key>" user metadata and a "2" list of the converted tensors' kinds."""
     entries = [filled(KVCache(), (3, 0)), arrays_cache(), filled(QuantizedKVCache(32, 8), (2, 1))]
     save_prompt_cache(str(tmp_path / "c"), entries, {"model": "m"})  # MLX adds .safetensors
     tensors, metadata = mx.load(str(tmp_path / "c.safetensors"), return_metadata=True)
     assert sorted(tensors) == sorted(
-        ["0.0", "0.1", "1.0.0", "1.0.1", "1.0.2", "1.1", "1.2"] + [f"2.{i}.{j}" for i in (0, 1) for j in (0, 1, 2)]
+        ["0.0", "0.1", "0.2", "1.0.0", "1.0.1", "1.0.2", "1.1", "1.2", "2.2", "2.3", "2.4"]
+        + [f"2.{i}.{j}" for i in (0, 1) for j in (0, 1, 2)]
     )
-    assert tensors["1.0.1"].size == 0 and tensors["1.1"].size == 0  # None and no left padding
-    assert tensors["2.0.0"].dtype == mx.uint32
+    assert tensors["0.2"].item() == 3 and tensors["1.0.1"].size == 0 and tensors["2.0.0"].dtype == mx.uint32
+    assert (tensors["2.2"].item(), tensors["2.3"].item(), tensors["2.4"].item()) == (2, 32, 8)
+    kinds = [["0.2", "scalar"], ["1.0.1", "none"], ["1.1", "none"], ["1.2", "none"],
+             ["2.2", "scalar"], ["2.3", "scalar"], ["2.4", "scalar"]]
     assert metadata == {
-        "0.0": "", "0.1": "", "0.2.0": "2", "0.2.1": "32", "0.2.2": "8",
-        "1.model": "m", "2.0": "KVCache", "2.1": "ArraysCache", "2.2": "QuantizedKVCache",
+        "0.model": "m", "1.0": "KVCache", "1.1": "ArraysCache", "1.2": "QuantizedKVCache", "2.0": "",
+        **{f"2.{i + 1}.{j}": value for i, kind in enumerate(kinds) for j, value in enumerate(kind)},
     }
 
 
-def test_hand_written_upstream_file_loads(tmp_path):
+def test_hand_written_file_of_upstreams_current_layout_loads(tmp_path):
+    """As upstream 0.32.2 writes them: a KVCache's whole buffer (longer than its offset),
+    a RotatingKVCache's ring with its write index, an ArraysCache with an empty slot
+    and a CacheList whose children's class names are strings inside its state."""
+    k, v = kv(6, 0)
+    tensors = {"0.0": k, "0.1": v, "0.2": mx.array(4),
+               "1.0": k[..., :4, :], "1.1": v[..., :4, :], "1.2": mx.array(9), "1.3": mx.array(1),
+               "1.4": mx.array(4), "1.5": mx.array(3),
+               "2.0.0": k[..., :2, :], "2.0.1": mx.array([]), "2.1": mx.array([]), "2.2": mx.array([]),
+               "3.0.0.0": k[..., :2, :], "3.0.0.1": v[..., :2, :], "3.0.0.2": mx.array(2),
+               "3.0.1": mx.array([ord(c) for c in "KVCache"])}
+    kinds = [["0.2", "scalar"], ["1.2", "scalar"], ["1.3", "scalar"], ["1.4", "scalar"], ["1.5", "scalar"],
+             ["2.0.1", "none"], ["2.1", "none"], ["2.2", "none"], ["3.0.0.2", "scalar"], ["3.0.1", "string"]]
+    metadata = {"0.model": "some/model", "1.0": "KVCache", "1.1": "RotatingKVCache", "1.2": "ArraysCache",
+                "1.3": "CacheList", "2.0": "",
+                **{f"2.{i + 1}.{j}": value for i, kind in enumerate(kinds) for j, value in enumerate(kind)}}
+    mx.save_safetensors(str(tmp_path / "up.safetensors"), tensors, metadata)
+    cache, meta = load_prompt_cache(str(tmp_path / "up.safetensors"), return_metadata=True)
+    assert meta == {"model": "some/model"}
+    assert cache[0].offset == 4 and mx.array_equal(cache[0].state[0], k[..., :4, :])
+    assert (cache[1].keep, cache[1].max_size, cache[1].offset, cache[1]._idx) == (1, 4, 9, 3)
+    assert mx.array_equal(cache[2][0], k[..., :2, :]) and cache[2][1] is None
+    assert isinstance(cache[3], CacheList) and cache[3].caches[0].offset == 2
+    # Written back, the same entries load again (the layout round-trips).
+    save_prompt_cache(str(tmp_path / "again.safetensors"), cache, meta)
+    again = load_prompt_cache(str(tmp_path / "again.safetensors"))
+    for a, b in zip(again, cache):
+        got, want = tree_flatten(a.state), tree_flatten(b.state)
+        assert [key for key, _ in got] == [key for key, _ in want] and want
+        assert all((x is None and y is None) or mx.array_equal(x, y) for (_, x), (_, y) in zip(got, want))
+        assert a.meta_state == b.meta_state
+
+
+def test_hand_written_file_of_upstreams_earlier_layout_loads(tmp_path):
     k, v = kv(6, 0)
     qk, qv = mx.quantize(k, 32, 4), mx.quantize(v, 32, 4)
     tensors = {"0.0": k[..., :5, :], "0.1": v[..., :5, :], "2.0": k, "2.1": v, "3.0": k[..., :2, :]}
@@ -138,6 +176,14 @@ def write_bad(path, tensors, metadata):
          {"0.0.0": "99", "0.0.1": "32", "0.0.2": "4", "2.0": "QuantizedKVCache"}, "offset 99 exceeds"),
         ({"0.0.0": mx.zeros((1, 2)), "0.1": mx.array([1.0]), "0.2": mx.array([])},
          {"0.0": "", "2.0": "ArraysCache"}, "left padding"),
+        # upstream's current layout
+        ({"0.0": mx.zeros((1, 1, 2, 4))}, {"1.0": "KVCache", "2.0": "", "2.1.0": "0.2", "2.1.1": "scalar"},
+         "names '0.2', which the file has no tensor for"),
+        ({"0.0": mx.zeros((1, 1, 2, 4)), "0.1": mx.zeros((1, 1, 2, 4)), "0.2": mx.array(2)},
+         {"1.0": "KVCache", "2.0": "", "2.1.0": "0.2", "2.1.1": "int"}, "unknown kind 'int'"),
+        ({}, {"2.0": ""}, "no class names"),
+        ({"0.0": mx.zeros((1, 2)), "0.1": mx.array([1.0]), "0.2": mx.array([])},
+         {"1.0": "ArraysCache", "2.0": "", "2.1.0": "0.2", "2.1.1": "none"}, "left padding"),
     ],
 )
 def test_malformed_files_get_clear_errors(tmp_path, tensors, metadata, message):

@@ -1,11 +1,18 @@
-"""The prompt-cache file layout of upstream mlx-lm, independent of the cache classes.
+"""The prompt-cache file layouts of upstream mlx-lm, independent of the cache classes.
 
-One safetensors file. Tensors: the entries' states flattened with dotted keys,
-"<layer>.<i>[.<j>]". String metadata: "0.<layer>[.<i>...]" the meta states, "1.<key>"
-the user's metadata, "2.<layer>" the class names. Which state each class stores, and
-how a class is rebuilt from it, is `models/cache.py`'s business (`save_prompt_cache`,
-`load_prompt_cache`); this module only maps (class name, state, meta state) per layer
-to and from the file, so it sits below cache.py and imports nothing of ours.
+One safetensors file, in either of upstream's two layouts; files are written in the
+current one (upstream 0.32.1+, its PR #1778) and both are read:
+- current: tensors are the entries' states flattened with dotted keys, "<layer>.<i>[.<j>]",
+  each state carrying its scalars too (a KVCache's is (keys, values, offset)), stored as
+  0-d arrays, strings as arrays of code points and None as an empty array. String
+  metadata: "0.<key>" the user's metadata, "1.<layer>" the class names, and "2.*" a list
+  that starts with "" and then names each converted tensor and its kind ("scalar",
+  "string", "none").
+- before (upstream up to 0.32.0): tensors the array states; string metadata "0.<layer>..."
+  the meta states, "1.<key>" the user's metadata, "2.<layer>" the class names.
+Which state each class stores, and how a class is rebuilt from it, is `models/cache.py`'s
+business: this module maps (class name, state, meta state) per layer to and from the
+file, converting between the layouts by class name, so it imports nothing of ours.
 """
 
 from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
@@ -49,34 +56,160 @@ def _unflatten(flat: dict, allow_gaps: bool = False):
     return [_unflatten(children[i], allow_gaps) if i in children else [] for i in range(size)]
 
 
+# --- the current layout: scalars inside the states ------------------------------------
+
+_SCALAR, _STRING, _NONE = "scalar", "string", "none"
+
+
+def _ints(meta) -> List[int]:
+    return [int(x) for x in meta]
+
+
+def to_current_state(class_name: str, state, meta_state):
+    """The state upstream's current layout stores for an entry given as before
+    (array state, string meta state): its scalars move into the state. A class upstream
+    does not have keeps (state, meta state), which only this package reads back."""
+    if class_name == "KVCache":
+        keys, values = state if state else (None, None)
+        return [keys, values, 0 if keys is None else keys.shape[2]]
+    if class_name == "QuantizedKVCache":
+        keys, values = state if state else (None, None)
+        return [keys, values, *_ints(meta_state)]  # offset, group_size, bits
+    if class_name == "RotatingKVCache":
+        keep, max_size, offset, idx = _ints(meta_state)
+        keys, values = state if state else (None, None)
+        return [keys, values, offset, keep, max_size, idx]
+    if class_name == "ArraysCache":
+        arrays = state[0] if state and isinstance(state[0], list) else state
+        return [[None if a.size == 0 else a for a in arrays], None, None]
+    if class_name == "CacheList":
+        names, metas = meta_state
+        state = list(state) + [[]] * (len(names) - len(state))
+        return [[to_current_state(n, s, m), n] for n, s, m in zip(names, state, metas)]
+    return [state, meta_state]
+
+
+def from_current_state(class_name: str, state) -> Tuple[Any, Any]:
+    """(array state, string meta state) of an entry read from the current layout: the
+    inverse of to_current_state, for files upstream wrote too (a KVCache buffer longer
+    than its offset is cut to it)."""
+    if class_name == "KVCache":
+        keys, values, offset = state
+        return ([] if keys is None else [keys[..., :offset, :], values[..., :offset, :]]), ""
+    if class_name == "QuantizedKVCache":
+        keys, values, offset, group_size, bits = state
+        return ([] if keys is None else [list(keys), list(values)]), tuple(map(str, (offset, group_size, bits)))
+    if class_name == "RotatingKVCache":
+        keys, values, offset, keep, max_size, idx = state
+        return ([] if keys is None else [keys, values]), tuple(map(str, (keep, max_size, offset, idx)))
+    if class_name == "ArraysCache":
+        arrays, left_padding, lengths = state
+        if left_padding is not None or lengths is not None:
+            raise ValueError("batched ArraysCache entries (left padding, lengths) are not supported")
+        return [mx.array([]) if a is None else a for a in arrays], ""
+    if class_name == "CacheList":
+        children = [from_current_state(name, child) for child, name in state]
+        return [c[0] for c in children], ([name for _, name in state], [c[1] for c in children])
+    array_state, meta_state = state
+    return array_state, meta_state
+
+
+def _encode_leaf(key: str, leaf, kinds: list):
+    """A state leaf as an array, its kind recorded in `kinds` unless it is one."""
+    if isinstance(leaf, mx.array):
+        return leaf
+    if isinstance(leaf, str):
+        kinds.append([key, _STRING])
+        return mx.array([ord(c) for c in leaf], dtype=mx.int32)
+    if leaf is None:
+        kinds.append([key, _NONE])
+        return mx.array([])
+    if isinstance(leaf, (bool, int, float)):
+        kinds.append([key, _SCALAR])
+        return mx.array(leaf)
+    raise ValueError(f"cache state leaf {key} is not serializable: {type(leaf).__name__}")
+
+
+def _decode_leaf(array: mx.array, kind: str):
+    if kind == _SCALAR:
+        return array.item()
+    if kind == _STRING:
+        return "".join(chr(c) for c in array.tolist())
+    if kind == _NONE:
+        return None
+    raise ValueError(f"unknown kind {kind!r} of a state entry")
+
+
 def write_cache_file(file_name: str, entries: Sequence[Tuple[str, Any, Any]], metadata: Dict[str, str]) -> None:
     """Write one (class name, state tree of arrays, meta state tree of strings) per
-    layer and the user's string `metadata` (MLX appends ".safetensors" to a name
-    without it)."""
+    layer and the user's string `metadata`, in upstream's current layout (MLX appends
+    ".safetensors" to a name without it)."""
     bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
     if bad:
         raise ValueError(f"Prompt cache metadata must map strings to strings; got {bad!r}")
-    tensors = {}
-    strings = {f"1.{k}": v for k, v in metadata.items()}
+    tensors, kinds = {}, [""]  # "" first: upstream's list is never empty
+    strings = {f"0.{k}": v for k, v in metadata.items()}
     for i, (class_name, state, meta_state) in enumerate(entries):
-        tensors.update(_flatten(state, str(i)))
-        strings.update(_flatten(meta_state, f"0.{i}"))
-        strings[f"2.{i}"] = class_name
+        for key, leaf in _flatten(to_current_state(class_name, state, meta_state), str(i)).items():
+            tensors[key] = _encode_leaf(key, leaf, kinds)
+        strings[f"1.{i}"] = class_name
+    strings.update(_flatten(kinds, "2"))
     mx.save_safetensors(str(file_name), tensors, strings)
+
+
+def _is_current_layout(strings: Dict[str, str]) -> bool:
+    """The current layout's "2" list starts with "" ("2.0"); before, "2.0" named the
+    first entry's class."""
+    return strings.get("2.0") == ""
+
+
+def _read_current(tensors: dict, strings: Dict[str, str], build_entry) -> Tuple[list, Dict[str, str]]:
+    sections: dict = {"0": {}, "1": {}, "2": {}}
+    for key, value in strings.items():
+        section, _, rest = key.partition(".")
+        if section in sections:
+            sections[section][rest] = value
+    class_names, kinds = _unflatten(sections["1"]), _unflatten(sections["2"])[1:]
+    if not isinstance(class_names, list) or not class_names:
+        raise ValueError('no class names (expected "1.<layer>" keys)')
+    leaves = dict(tensors)
+    for key, kind in kinds:
+        if key not in leaves:
+            raise ValueError(f"the kinds list names {key!r}, which the file has no tensor for")
+        leaves[key] = _decode_leaf(leaves[key], kind)
+    per_layer: dict = {i: {} for i in range(len(class_names))}
+    for key, leaf in leaves.items():
+        layer, _, rest = key.partition(".")
+        if not (layer.isdigit() and int(layer) in per_layer):
+            raise ValueError(f"tensor {key!r} belongs to no cache entry")
+        per_layer[int(layer)][rest] = leaf
+    entries = []
+    for i, name in enumerate(class_names):
+        try:
+            state, meta_state = from_current_state(name, _unflatten(per_layer[i], allow_gaps=True))
+            entries.append(build_entry(name, state, meta_state))
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
+            raise ValueError(f"entry {i} ({name!r}): {e}") from None
+    return entries, sections["0"]
 
 
 def read_cache_file(
     file_name: str, build_entry: Callable[[str, Any, Any], Entry]
 ) -> Tuple[List[Entry], Dict[str, str]]:
-    """([build_entry(class name, state, meta state) per layer], user metadata). Every
-    problem, in the layout or from `build_entry`, raises ValueError naming the file
-    (and the entry)."""
+    """([build_entry(class name, state, meta state) per layer], user metadata), from a
+    file in either layout. Every problem, in the layout or from `build_entry`, raises
+    ValueError naming the file (and the entry)."""
     try:
         tensors, strings = mx.load(str(file_name), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:
         raise ValueError(f"Could not read prompt cache file {file_name}: {e}") from None
     if not isinstance(tensors, dict):
         raise ValueError(f"Prompt cache file {file_name} is not a safetensors file")
+    if _is_current_layout(strings):
+        try:
+            return _read_current(tensors, strings, build_entry)
+        except ValueError as e:
+            raise ValueError(f"Malformed prompt cache file {file_name}: {e}") from None
     by_section: dict = {"0": {}, "1": {}, "2": {}}
     for key, value in strings.items():
         section, _, rest = key.partition(".")
