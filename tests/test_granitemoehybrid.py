@@ -16,7 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from family_checks import FIXTURES, Family, FamilyChecks, fixture_model
+from family_checks import FIXTURES, Family, FamilyChecks, fixture_model, fresh_model
+from mlx.utils import tree_flatten
 
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.models.granitemoehybrid import ModelArgs, NoPositions
@@ -151,3 +152,35 @@ def test_layers_caches_and_positions_follow_the_config():
     assert all("block_sparse_moe" in layer for layer in hub.layers)
     assert not any("block_sparse_moe" in layer for layer in tf5.layers)  # num_local_experts 0
     assert tf5.layers[0].mamba.norm.group_size == 16  # 64 channels in 4 groups
+
+
+def test_checkpoints_converted_by_upstream_load():
+    """Upstream mlx-lm converts a dense Granite's shared_mlp to mlp.gate_proj / up_proj /
+    down_proj (float or quantized) and quantizes the router as a Linear (8 bits, groups
+    of 64): both read back into our layout."""
+    dense = fixture_model("granitemoehybrid_tf5")
+    ours = dict(tree_flatten(dense.parameters()))
+    for params in (ours, quantized_weights("granitemoehybrid_tf5")):
+        upstream = {}
+        for key, value in params.items():
+            if ".shared_mlp.input_linear." in key:
+                gate, up = mx.split(value, 2, axis=0)
+                upstream[key.replace("shared_mlp.input_linear", "mlp.gate_proj")] = gate
+                upstream[key.replace("shared_mlp.input_linear", "mlp.up_proj")] = up
+            else:
+                upstream[key.replace("shared_mlp.output_linear", "mlp.down_proj")] = value
+        assert_same(dense.sanitize(upstream), params)
+    moe = fixture_model("granitemoehybrid_tf4")
+    weights = dict(tree_flatten(moe.parameters()))
+    router = "model.layers.1.block_sparse_moe.router"
+    packed = mx.quantize(weights.pop(router + ".weight"), group_size=64, bits=8)
+    weights.update({f"{router}.layer.{part}": v for part, v in zip(("weight", "scales", "biases"), packed)})
+    loaded = moe.sanitize(weights)
+    assert mx.array_equal(loaded[router + ".weight"], mx.dequantize(*packed, group_size=64, bits=8))
+    assert not any(k.startswith(router + ".layer") for k in loaded)
+
+
+def quantized_weights(name):
+    model = fresh_model(name)
+    nn.quantize(model, group_size=32, bits=8)
+    return dict(tree_flatten(model.parameters()))

@@ -67,7 +67,7 @@ def test_config_dialects_normalise_alike():
 
 
 def test_config_errors_name_the_value():
-    with pytest.raises(ValueError, match=r"hidden_size \(32\) x expand \(1\) must equal num_heads \(8\) x head_dim \(8\)"):
+    with pytest.raises(ValueError, match=r"hidden_size \(32\) x expand \(1\) must equal num_heads \(8\) x head_dim"):
         ModelArgs.from_dict(dict(ARGS, expand=1))
     with pytest.raises(ValueError, match=r"num_heads \(8\) must be a multiple of n_groups \(3\)"):
         ModelArgs.from_dict(dict(ARGS, n_groups=3))

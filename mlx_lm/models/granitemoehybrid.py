@@ -30,6 +30,7 @@ References: transformers `models/granitemoehybrid/modeling_granitemoehybrid.py`;
 "Granite 4.0" model cards (ibm-granite/granite-4.0-h-*).
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -291,6 +292,46 @@ def rename_experts(key: str, value: mx.array) -> Dict[str, mx.array]:
     return {key: value}
 
 
+_UPSTREAM_MLP = re.compile(r"^(.*\.)mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+_ROUTER_LAYER = re.compile(r"^(.*\.block_sparse_moe\.router)\.layer\.(weight|scales|biases)$")
+
+
+def from_upstream_layout(weights: Dict[str, mx.array], hidden_size: int) -> Dict[str, mx.array]:
+    """Checkpoints converted by upstream mlx-lm -> ours: its dense layers' `mlp.gate_proj`
+    / `up_proj` / `down_proj` are our `shared_mlp.input_linear` ([gate | up] rows; packed
+    rows, scales and biases concatenate alike) / `output_linear`; its router, which it
+    quantizes (8 bits) as a Linear, is dequantized (a float one passes as it is, for
+    rename_experts). Other keys pass."""
+    out, dense, router = {}, {}, {}
+    for key, value in weights.items():
+        if _UPSTREAM_MLP.match(key):
+            prefix, proj, part = _UPSTREAM_MLP.match(key).groups()
+            dense.setdefault(prefix, {})[proj, part] = value
+        elif _ROUTER_LAYER.match(key):
+            prefix, part = _ROUTER_LAYER.match(key).groups()
+            router.setdefault(prefix, {})[part] = value
+        else:
+            out[key] = value
+    for prefix, parts in dense.items():
+        for part in {part for _, part in parts}:
+            out[f"{prefix}shared_mlp.input_linear.{part}"] = mx.concatenate(
+                [parts["gate_proj", part], parts["up_proj", part]], axis=0)
+            out[f"{prefix}shared_mlp.output_linear.{part}"] = parts["down_proj", part]
+    for prefix, parts in router.items():
+        out[prefix + ".layer.weight"] = dequantized(parts, hidden_size)
+    return out
+
+
+def dequantized(parts: Dict[str, mx.array], in_dims: int) -> mx.array:
+    """A float weight (out, in_dims) from an affine-quantized one's weight, scales and
+    biases; bits and group size read off their widths."""
+    if "scales" not in parts:
+        return parts["weight"]
+    bits = parts["weight"].shape[-1] * 32 // in_dims
+    group_size = in_dims // parts["scales"].shape[-1]
+    return mx.dequantize(parts["weight"], parts["scales"], parts.get("biases"), group_size=group_size, bits=bits)
+
+
 class Model(nn.Module):
     # Mamba-2 layers record rollbacks into their ArraysCache while speculating.
     supports_speculative_rollback = True
@@ -314,7 +355,7 @@ class Model(nn.Module):
         """Hub / transformers weights or converted ones -> ours; each rewrite is guarded
         by the name or shape it changes, so a second pass changes nothing."""
         out = {}
-        for key, value in weights.items():
+        for key, value in from_upstream_layout(weights, self.args.hidden_size).items():
             if key == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
             if key.endswith("mamba.conv1d.weight") and value.shape[1] == 1 and value.shape[2] > 1:
