@@ -163,6 +163,17 @@ def _is_current_layout(strings: Dict[str, str]) -> bool:
     return strings.get("2.0") == ""
 
 
+def _by_layer(leaves: dict, num_layers: int) -> Dict[int, dict]:
+    """{"<layer>.<rest>": leaf} -> {layer: {"<rest>": leaf}} for layers 0..num_layers-1."""
+    per_layer: Dict[int, dict] = {i: {} for i in range(num_layers)}
+    for key, leaf in leaves.items():
+        layer, _, rest = key.partition(".")
+        if not (layer.isdigit() and int(layer) in per_layer):
+            raise ValueError(f"tensor {key!r} belongs to no cache entry")
+        per_layer[int(layer)][rest] = leaf
+    return per_layer
+
+
 def _read_current(tensors: dict, strings: Dict[str, str], build_entry) -> Tuple[list, Dict[str, str]]:
     sections: dict = {"0": {}, "1": {}, "2": {}}
     for key, value in strings.items():
@@ -177,12 +188,7 @@ def _read_current(tensors: dict, strings: Dict[str, str], build_entry) -> Tuple[
         if key not in leaves:
             raise ValueError(f"the kinds list names {key!r}, which the file has no tensor for")
         leaves[key] = _decode_leaf(leaves[key], kind)
-    per_layer: dict = {i: {} for i in range(len(class_names))}
-    for key, leaf in leaves.items():
-        layer, _, rest = key.partition(".")
-        if not (layer.isdigit() and int(layer) in per_layer):
-            raise ValueError(f"tensor {key!r} belongs to no cache entry")
-        per_layer[int(layer)][rest] = leaf
+    per_layer = _by_layer(leaves, len(class_names))
     entries = []
     for i, name in enumerate(class_names):
         try:
@@ -218,12 +224,7 @@ def read_cache_file(
     try:
         class_names = _unflatten(by_section["2"])
         meta_states = _unflatten(by_section["0"])
-        per_layer: dict = {i: {} for i in range(len(class_names))}
-        for key, tensor in tensors.items():
-            layer, _, rest = key.partition(".")
-            if not (layer.isdigit() and int(layer) in per_layer):
-                raise ValueError(f"tensor {key!r} belongs to no cache entry")
-            per_layer[int(layer)][rest] = tensor
+        per_layer = _by_layer(tensors, len(class_names))
     except ValueError as e:
         raise ValueError(f"Malformed prompt cache file {file_name}: {e}") from None
     if not (isinstance(class_names, list) and isinstance(meta_states, list)):
