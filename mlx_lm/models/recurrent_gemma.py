@@ -29,7 +29,9 @@ What differs from llama:
   from the cached conv inputs, so a chunked decode equals the full forward (which is
   what the reference logits come from).
 Config dialects: the hub checkpoints (transformers 4.40) write top-level `rope_theta`
-and `partial_rotary_factor`; transformers 5 writes `rope_parameters` holding both.
+and `partial_rotary_factor` and name the pattern `_block_types`; transformers 5 writes
+`rope_parameters` holding both and `block_types` (and ignores `_block_types`: a hub
+pattern other than the default would be lost there; we read it).
 Reference: transformers `models/recurrent_gemma/modeling_recurrent_gemma.py` and
 `configuration_recurrent_gemma.py`.
 """
@@ -87,6 +89,7 @@ class ModelArgs(BaseModelArgs):
     rope_scaling: Optional[Dict[str, Any]] = None
     rope_parameters: Optional[Dict[str, Any]] = None  # transformers 5
     block_types: Optional[List[str]] = None  # default DEFAULT_BLOCK_TYPES
+    _block_types: Optional[List[str]] = None  # the hub checkpoints' name for block_types
     layer_types: Optional[List[str]] = None  # one kind per layer; wins over block_types
     attention_bias: bool = False
     tie_word_embeddings: bool = True
@@ -137,6 +140,9 @@ class ModelArgs(BaseModelArgs):
     def _normalise_layer_pattern(self):
         """layer_types as given, else block_types repeated over the layers; both given
         must agree."""
+        self.block_types, self._block_types = same_value(
+            "block_types", self.block_types, "_block_types", self._block_types
+        )
         if self.block_types is not None:
             unknown = sorted(set(self.block_types) - set(BLOCK_KINDS))
             if not self.block_types or unknown:
@@ -151,7 +157,7 @@ class ModelArgs(BaseModelArgs):
                 f"layer_types {self.layer_types} disagrees with block_types {self.block_types} repeated over "
                 f"{self.num_hidden_layers} layers; remove one of them"
             )
-        self.block_types = block_types
+        self.block_types = self._block_types = block_types
 
     def _validate(self):
         check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
