@@ -109,6 +109,10 @@ def test_dialects_normalise_alike():
     defaults = ModelArgs.from_dict(ARGS)
     assert (defaults.rope_theta, defaults.tie_word_embeddings, defaults.head_dim) == (1e6, True, 16)
     assert (defaults.num_dense_layers, defaults.use_expert_bias, defaults.norm_topk_prob) == (2, True, True)
+    bare = ModelArgs.from_dict(dict(model_type="lfm2_moe", vocab_size=64, hidden_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, layer_types=[C, F, C, C]))
+    assert (bare.intermediate_size, bare.moe_intermediate_size, bare.num_experts, bare.num_experts_per_tok) == (
+        7168, 1792, 32, 4)  # transformers' defaults
 
 
 @pytest.mark.parametrize("extra, message", [

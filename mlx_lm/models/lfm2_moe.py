@@ -47,10 +47,11 @@ class ModelArgs(BaseModelArgs):
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
+    # Defaults below are transformers' (Lfm2MoeConfig, LFM2-8B-A1B's shape).
+    intermediate_size: int = 7168
+    moe_intermediate_size: int = 1792
+    num_experts: int = 32
+    num_experts_per_tok: int = 4
     num_dense_layers: int = 2
     use_expert_bias: bool = True
     norm_topk_prob: bool = True
