@@ -7,6 +7,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_lm.models.base import (
     create_attention_mask,
@@ -313,3 +314,16 @@ def test_make_shards_takes_gigabytes():
     assert [list(s) for s in shards] == [["a"], ["b"], ["c"]]
     assert make_shards({"b": big}, max_file_size_gb=600 / (1 << 20)) == [{"b": big}]
     assert make_shards({}, 1) == []
+
+
+def test_keys_and_values_are_what_update_and_fetch_returned():
+    """Upstream's keys_and_values(): a layer reading another layer's cache (KV sharing)
+    gets the held keys and values; quantized ones as (packed, scales, biases) triples
+    for quantized attention."""
+    for cache in (KVCache(), QuantizedKVCache(32, 8)):
+        assert cache.keys_and_values() == (None, None)
+        fetched = cache.update_and_fetch(randn(1, 2, 5, 64), randn(1, 2, 5, 64))
+        held = [x for _, x in tree_flatten(cache.keys_and_values())]
+        assert len(held) in (2, 6) and all(mx.array_equal(a, b) for a, b in zip(held, (x for _, x in tree_flatten(fetched))))
+        cache.trim(2)
+        assert tree_flatten(cache.keys_and_values())[0][1].shape[2] == 3  # up to the offset

@@ -201,7 +201,7 @@ def test_cache_list_masks_like_its_masking_children():
     behind = KVCache()
     behind.update_and_fetch(*kv(4, 1))
     with pytest.raises(ValueError, match=r"\(3, 9\) from KVCache, \(3, 7\) from KVCache"):
-        CacheList(kv_cache, behind).make_mask(3)
+        CacheList(kv_cache, behind).make_mask(3, return_array=True)
 
 
 class _TwoLayerModel:

@@ -188,13 +188,20 @@ class KVCache(_AppendOnlyCache):
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
         self.offset = end
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        """The (B, H_kv, offset, D) keys and values held, as update_and_fetch returns
+        them (a layer that reads another layer's cache); (None, None) when empty."""
+        if self.keys is None:
+            return None, None
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     @property
     def state(self):
         if self.keys is None:
             return []
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys_and_values()
 
     @state.setter
     def state(self, value):
@@ -916,7 +923,14 @@ class QuantizedKVCache(_AppendOnlyCache):
         for buffer, rows in zip(self.keys + self.values, new_keys + new_values):
             buffer[..., start:end, :] = rows
         self.offset = end
-        return self._upto(self.keys, end), self._upto(self.values, end)
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        """The quantized (packed, scales, biases) keys and values held, as
+        update_and_fetch returns them, for quantized attention; (None, None) when empty."""
+        if self.keys is None:
+            return None, None
+        return self._upto(self.keys, self.offset), self._upto(self.values, self.offset)
 
     @staticmethod
     def _upto(triple: Tuple[mx.array, ...], end: int) -> Tuple[mx.array, ...]:
