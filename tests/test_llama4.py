@@ -17,6 +17,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints import perturb
 from family_checks import (
     FIXTURES,
     PROMPT,
@@ -24,10 +25,14 @@ from family_checks import (
     FamilyChecks,
     fixture_model,
     flat_state,
+    fresh_model,
+    plain,
     reference,
     relative_error,
+    speculate,
 )
 
+from mlx_lm.generate import SpeculationStats
 from mlx_lm.models.batch_cache import BatchChunkedKVCache, extract_caches, merge_caches
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.models.llama4 import (
@@ -265,3 +270,24 @@ def test_batched_chunked_cache_masks_per_row_and_extracts():
     back = extract_caches(batched, 1)
     assert [type(c) for c in back] == [ChunkedKVCache, KVCache, ChunkedKVCache, KVCache]
     assert back[0].offset == 9 and back[0].size() == 8
+
+
+def test_hub_dialect_target_speculates_exactly_across_chunks_of_six():
+    """The Scout-like fixture (chunks of 6: the 50 tokens cross 8 edges) as target of its
+    noisy self at k = 6: greedy output equals plain, with partial acceptance."""
+    target = fixture_model("llama4_tf4")
+    draft = perturb(fresh_model("llama4_tf4"), FAMILY.noise, seed=2)
+    stats = SpeculationStats()
+    assert [t for t, _, _ in speculate(target, draft, 6, stats=stats)] == plain(target)
+    assert 0 < stats.num_accepted < stats.num_drafted
+
+
+def test_chunked_layers_hold_one_chunk():
+    """40 tokens through chunks of 8: each chunked layer's buffers hold 8 rows, the full
+    layers' all 40."""
+    model = fixture_model("llama4_tf5")
+    ids, _ = reference("llama4_tf5")
+    cache = make_prompt_cache(model)
+    model(ids, cache=cache)
+    assert [c.keys.shape[2] for c in cache[:2]] == [8, 256]  # KVCache grows in blocks of 256
+    assert [c.size() for c in cache] == [8, 40, 8, 40]
