@@ -45,6 +45,16 @@ def _check_options(
         raise ValueError(f"Unsupported dtype {dtype!r}; choose from {', '.join(DTYPES)}")
 
 
+def config_dtype(config: dict) -> Optional[str]:
+    """The float dtype a config names for its weights, if one convert can cast to."""
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for named in (config.get("torch_dtype"), config.get("dtype"), text_config.get("torch_dtype"),
+                  text_config.get("dtype")):
+        if named is not None:
+            return named if named in DTYPES else None
+    return None
+
+
 def convert(
     hf_path: str,
     mlx_path: Union[str, Path] = "mlx_model",
@@ -61,7 +71,9 @@ def convert(
     """Convert `hf_path` (a local directory or hub repo) into `mlx_path`.
 
     dtype: cast floating point weights (norms and biases included) to float16,
-    bfloat16 or float32 before quantizing; None keeps the checkpoint's dtypes.
+    bfloat16 or float32 before quantizing; None takes the dtype the config names
+    (`torch_dtype`, transformers 5's `dtype`, or its `text_config`'s), as upstream
+    does, and keeps the checkpoint's dtypes when it names none of those.
     quantize: quantize with `q_group_size`/`q_bits`/`q_mode` (defaults of the mode,
     affine 64/4) choosing layers by `quant_predicate`, else the model's own.
     dequantize: turn a quantized checkpoint back into float.
@@ -81,6 +93,7 @@ def convert(
     if dequantize and not quantized_layers(model):
         raise ValueError(f"--dequantize: {hf_path} has no quantized layers")
 
+    dtype = dtype or config_dtype(config)
     if dtype is not None:
         cast_floats(model, DTYPES[dtype])
         for key in ("torch_dtype", "dtype"):

@@ -125,6 +125,24 @@ def test_dtype_cast(tmp_path, tiny_llama_dir):
     assert q_proj.scales.dtype == mx.float16 and q_proj.weight.dtype == mx.uint32
 
 
+@pytest.mark.parametrize("named, want", [
+    ({"torch_dtype": "bfloat16"}, mx.bfloat16),  # the hub's configs
+    ({"dtype": "float16"}, mx.float16),  # transformers 5's
+    ({"text_config": {"dtype": "bfloat16"}}, mx.bfloat16),
+    ({"torch_dtype": "int8"}, mx.float32),  # not a float dtype: the weights' own
+    ({}, mx.float32),
+])
+def test_default_dtype_is_the_one_the_config_names(tmp_path, tiny_llama_dir, named, want):
+    """As upstream: without --dtype the weights are cast to the config's dtype."""
+    source = tmp_path / "src"
+    shutil.copytree(tiny_llama_dir, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **named}))
+    convert(str(source), tmp_path / "out")
+    model, _ = load_model(tmp_path / "out")
+    assert {p.dtype for _, p in tree_flatten(model.parameters())} == {want}
+
+
 def test_sharded_save_writes_an_index_and_loads(tmp_path, tiny_llama_dir):
     model, config = load_model(tiny_llama_dir)
     shutil.copytree(tiny_llama_dir, tmp_path / "m")
