@@ -77,6 +77,7 @@ from .openai_api import (
     error_body,
     parse_request,
 )
+from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
 from .utils import compute_dtype, parameter_dtypes
 from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .fast_blas import blas_line

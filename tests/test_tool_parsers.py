@@ -53,6 +53,8 @@ CALLS = [
     ("minimax_m2", '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n<parameter name="days">3'
                    '</parameter>\n</invoke>\n<invoke name="get_time">\n<parameter name="zone">UTC</parameter>\n'
                    '</invoke>\n', [WEATHER, TIME]),
+    ("nemotron_json", '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                      '{"name": "get_time", "arguments": {"zone": "UTC"}}]', [WEATHER, TIME]),
     ("minicpm5", '"get_weather"><param name="city">Paris</param><param name="days">3</param>', [WEATHER]),
     ("muse_spark", '\n<atem:invoke name="get_weather">\n<atem:parameter name="city">Paris</atem:parameter>'
                    '<atem:parameter name="days">3</atem:parameter>\n</atem:invoke>\n'
@@ -78,6 +80,7 @@ MALFORMED = [
     ("minimax_m2", '<invoke name="get_weather">'),
     ("minicpm5", "no call"),
     ("muse_spark", "no call"),
+    ("nemotron_json", '[{"name": "get_weather", "arguments": {"city": "Paris"}'),
 ]
 
 
@@ -85,7 +88,7 @@ def as_list(parsed):
     return parsed if isinstance(parsed, list) else [parsed]
 
 
-def test_every_upstream_format_has_a_module():
+def test_every_format_has_a_module():
     for name in PARSER_NAMES:
         module = load_parser(name)
         assert isinstance(module.tool_call_start, str) and module.tool_call_start
@@ -167,6 +170,7 @@ def test_formats_from_template_markers_and_model_types():
     assert parser_for_template("<tool_call>{{ name }}<arg_key>k</arg_key>") == "glm47"
     assert parser_for_template("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert parser_for_template("<|tool_call_start|>[") == "pythonic"
+    assert parser_for_template("{{ '<TOOLCALL>' + calls | tojson + '</TOOLCALL>' }}") == "nemotron_json"
     assert parser_for_template("plain chat") is None and parser_for_template(None) is None
     assert parser_for_model(["<|tool_call_start|>", "<|tool_call_end|>"], None) == "pythonic"
     assert parser_for_model([], "gemma4_text") == "gemma4"

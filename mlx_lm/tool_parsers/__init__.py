@@ -1,4 +1,4 @@
-"""Tool-call formats, one module per format as upstream names them. Each module has
+"""Tool-call formats, one module per format as upstream names them (and nemotron_json). Each module has
 `tool_call_start` and `tool_call_end` (the markers around a call in the model's
 text; an empty end marker: the call runs to the end of the answer) and
 `parse_tool_call(text, tools=None)`, which takes the text between the markers and
@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Iterable, Optional
 
 PARSER_NAMES = ("function_gemma", "gemma4", "glm47", "json_tools", "kimi_k2", "kimi_k3", "laguna", "longcat",
-                "minicpm5", "minimax_m2", "mistral", "muse_spark", "pythonic", "qwen3_coder")
+                "minicpm5", "minimax_m2", "mistral", "muse_spark", "nemotron_json", "pythonic", "qwen3_coder")
 
 # Checked in this order: some templates contain another format's markers too
 # (qwen3_coder and GLM templates hold "<tool_call>" as well).
@@ -32,6 +32,7 @@ _TEMPLATE_MARKERS = (
     ("minicpm5", ('<function name="', '<param name="')),
     ("mistral", ("[TOOL_CALLS]",)),
     ("muse_spark", ("<atem:function_calls>",)),
+    ("nemotron_json", ("<TOOLCALL>",)),
     ("json_tools", ("<tool_call>",)),  # Qwen2.5, Qwen3, Hermes: JSON between the markers
 )
 
