@@ -13,7 +13,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from family_checks import FIXTURES, Family, FamilyChecks, fixture_model, reference, relative_error
+from family_checks import FIXTURES, Family, FamilyChecks, fixture_model, random_model, reference, relative_error
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.models.mamba2 import ModelArgs
@@ -108,3 +108,15 @@ def test_cache_layout_and_clamped_decode():
     mixer = model.layers[0].mixer
     assert cache[0][0].shape == (1, 2, mixer.conv_dim)
     assert cache[0][1].shape == (1, 8, 8, 8) and cache[0][1].dtype == mx.float32
+
+
+@pytest.mark.parametrize("residual_in_fp32", [True, False])
+def test_residual_stream_dtype_follows_residual_in_fp32(residual_in_fp32):
+    """In bfloat16 the residual stream stays float32 when residual_in_fp32 (each norm
+    reads it cast to the weights' dtype), as transformers keeps it."""
+    model = random_model(dict(FAMILY.small, residual_in_fp32=residual_in_fp32))
+    model.set_dtype(mx.bfloat16)
+    block = model.layers[0]
+    out = block(model.backbone.embeddings(mx.array([[1, 2, 3]])))
+    assert out.dtype == (mx.float32 if residual_in_fp32 else mx.bfloat16)
+    assert model(mx.array([[1, 2, 3]])).shape == (1, 3, 256)
