@@ -151,3 +151,43 @@ def test_gated_rms_norm_matches_naive_per_group():
     assert np.allclose(np.array(after), normed * w * z / (1 + np.exp(-z)), atol=1e-5)
     with pytest.raises(ValueError, match="12 channels do not split into groups of 5"):
         gated_rms_norm(mx.array(y), mx.array(z), mx.array(w), 5, 1e-5)
+
+
+# --- upstream's ssm_update ------------------------------------------------------------
+
+
+def naive_ssm_update(x, A_log, B, C, D, dt, dt_bias, limits, valid):
+    """Upstream's semantics in float64 numpy: step = clip(softplus(dt + dt_bias)); a step
+    that is not `valid` leaves the state alone; y = S C + D x."""
+    x, B, C, dt = (np.array(a, dtype=np.float64) for a in (x, B, C, dt))
+    b, T, H, P = x.shape
+    G, N = B.shape[-2:]
+    step = np.clip(np.logaddexp(dt + np.array(dt_bias, np.float64), 0.0), *limits)
+    A = -np.exp(np.array(A_log, np.float64))
+    S, ys = np.zeros((b, H, P, N)), np.zeros((b, T, H, P))
+    for i in range(b):
+        for t in range(T):
+            for h in range(H):
+                g = h // (H // G)
+                if valid[i, t]:
+                    S[i, h] = np.exp(step[i, t, h] * A[h]) * S[i, h] + step[i, t, h] * np.outer(x[i, t, h], B[i, t, g])
+                ys[i, t, h] = S[i, h] @ C[i, t, g] + np.array(D, np.float64)[h] * x[i, t, h]
+    return ys, S
+
+
+@pytest.mark.parametrize("T", [5, 40])  # the stepping and the chunked path
+@pytest.mark.parametrize("padding", ["none", "mask", "lengths"])
+def test_upstream_ssm_update_matches_naive(T, padding):
+    x, dt, _, B, C, _ = (mx.array(a) for a in inputs(T))
+    rng = np.random.default_rng(1)
+    A_log, D, dt_bias = (mx.array(rng.standard_normal(4).astype(np.float32)) for _ in range(3))
+    lengths = np.array([T, T - 3])
+    valid = np.arange(T)[None] < lengths[:, None] if padding != "none" else np.ones((2, T), bool)
+    kwargs = {"mask": mx.array(valid)} if padding == "mask" else (
+        {"lengths": mx.array(lengths)} if padding == "lengths" else {})
+    y, state = ssm.ssm_update(x, A_log, B, C, D, dt, dt_bias, time_step_limit=(0.01, 10.0), **kwargs)
+    want_y, want_state = naive_ssm_update(x, A_log, B, C, D, dt, dt_bias, (0.01, 10.0), valid)
+    assert rel(state, want_state) < 1e-4
+    assert rel(mx.array(np.array(y)[valid]), want_y[valid]) < 1e-4  # real tokens only
+    want_dt = np.clip(np.logaddexp(np.array(dt) + np.array(dt_bias), 0), 0.01, 10)
+    assert ssm.ssm_attn is ssm.ssm_update and rel(ssm.compute_dt(dt, dt_bias, (0.01, 10.0)), want_dt) < 1e-6

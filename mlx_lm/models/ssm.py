@@ -259,3 +259,38 @@ def gated_rms_norm(y: mx.array, gate: mx.array, weight: mx.array, group_size: in
     if norm_before_gate:
         h = h * silu_gate
     return weight * h.astype(y.dtype)
+
+
+# --- upstream mlx-lm's names for the same recurrence --------------------------------------
+
+
+def compute_dt(dt: mx.array, dt_bias: mx.array, time_step_limit: Tuple[float, float]) -> mx.array:
+    """Upstream's name: discretize_dt with (min, max) limits. (B, T, H) fp32."""
+    return discretize_dt(dt, dt_bias, *time_step_limit)
+
+
+def ssm_update(hidden_states: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+               dt_bias: mx.array, state: Optional[mx.array] = None,
+               time_step_limit: Tuple[float, float] = (0.001, 100.0), mask: Optional[mx.array] = None,
+               lengths: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+    """Upstream's entry point: the Mamba-2 layer's recurrence from raw dt and A_log,
+    with the D skip term. hidden_states (b, T, H, P); A_log, D, dt_bias (H,); B, C
+    (b, T, G, N); dt (b, T, H); state (b, H, P, N) or None. `mask` (b, T), true for
+    real tokens, and right-padded `lengths` (b,) leave the state as it was at every
+    other step (their step is 0: no decay, no write), so the returned state is the one
+    after each row's last real token; outputs at those steps are meaningless, as
+    upstream's. Returns y (b, T, H, P) in the input's dtype, the state in fp32."""
+    step = compute_dt(dt, dt_bias, time_step_limit)
+    T = hidden_states.shape[1]
+    if mask is not None:
+        step = mx.where(mask[..., None].astype(mx.bool_), step, 0.0)
+    if lengths is not None:
+        step = mx.where((mx.arange(T)[None] < lengths[:, None])[..., None], step, 0.0)
+    A = -mx.exp(A_log.astype(mx.float32))
+    y, state = ssd_update(hidden_states, step, A, B, C, state)
+    y = y + (hidden_states * D.reshape(1, 1, -1, 1)).astype(y.dtype)
+    return y, state
+
+
+# Upstream's chunked prefill function: here the same entry point picks its path.
+ssm_attn = ssm_update
