@@ -71,6 +71,7 @@ from .openai_api import (
     TokenLogprob,
 )
 from .sample_utils import CategoricalSampler, make_logits_processors, make_sampler
+from .tokenizer_utils import with_chat_template
 
 log = logging.getLogger("mlx_lm.server")
 
@@ -154,7 +155,7 @@ class ServedModel:
         if mtp:
             check_mtp_head(self.model)
         if chat_template:
-            self.tokenizer.chat_template = chat_template
+            self.tokenizer = with_chat_template(self.tokenizer, chat_template, config.get("model_type"))
         self.draft_model = None
         self.draft_name = draft_path
         self.draft_context_length = None

@@ -573,11 +573,20 @@ def load(
     detokenizer_class = detokenizer_class_for(
         _read_decoder(model_path / "tokenizer.json")
     )
-    tool_format = _tool_format(tokenizer, _model_type(model_path))
+    return _wrap(tokenizer, detokenizer_class, _as_id_set(eos_token_ids), _model_type(model_path))
+
+
+def _wrap(
+    tokenizer: PreTrainedTokenizerBase,
+    detokenizer_class: DetokenizerFactory,
+    eos_token_ids: Optional[Set[int]],
+    model_type: Optional[str],
+) -> TokenizerWrapper:
+    tool_format = _tool_format(tokenizer, model_type)
     return TokenizerWrapper(
         tokenizer,
         detokenizer_class,
-        eos_token_ids=_as_id_set(eos_token_ids),
+        eos_token_ids=eos_token_ids,
         tool_call_start=tool_format and tool_format.tool_call_start,
         tool_call_end=tool_format and tool_format.tool_call_end,
         tool_parser=tool_format and tool_format.parse_tool_call,
@@ -615,13 +624,19 @@ def _model_type(model_path: Path) -> Optional[str]:
 def _tool_format(tokenizer: PreTrainedTokenizerBase, model_type: Optional[str]):
     """The tool_parsers module of a tokenizer: as its tokenizer_config.json names it
     (`tool_parser_type`), else as its chat template's markers or its vocabulary and
-    family imply; None if nothing does. Recorded in `init_kwargs`, as upstream does."""
+    family imply; None if nothing does."""
     name = tokenizer.init_kwargs.get("tool_parser_type")
     if name is None:
         name = tool_parsers.parser_for_template(tokenizer.chat_template)
     if name is None:
         name = tool_parsers.parser_for_model(tokenizer.get_vocab(), model_type)
-    if name is None:
-        return None
-    tokenizer.init_kwargs["tool_parser_type"] = name
-    return tool_parsers.load_parser(name)
+    return None if name is None else tool_parsers.load_parser(name)
+
+
+def with_chat_template(wrapper: TokenizerWrapper, chat_template: str,
+                       model_type: Optional[str] = None) -> TokenizerWrapper:
+    """`wrapper`'s tokenizer rendering with `chat_template` (the server's
+    --chat-template), and the tool-call format read again from it: a template may
+    write another format than the checkpoint's own (tool_parser_type still wins)."""
+    wrapper.tokenizer.chat_template = chat_template
+    return _wrap(wrapper.tokenizer, wrapper._detokenizer_class, wrapper.eos_token_ids, model_type)

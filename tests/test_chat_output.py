@@ -11,7 +11,7 @@ from tokenizer_fixture import write_tokenizer
 from mlx_lm.chat_output import ChatTextRouter, ToolCallFormatter, forced_call_prefix, plan_chat, template_tools
 from mlx_lm.openai_api import GenerationResult, RequestError, ResponseBuilder, ServerDefaults, parse_request
 from mlx_lm.text_state_machine import TextStateMachine, thinking_and_tool_transitions
-from mlx_lm.tokenizer_utils import load
+from mlx_lm.tokenizer_utils import load, with_chat_template
 from mlx_lm.tool_parsers import json_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -110,6 +110,15 @@ def test_the_loader_finds_the_format_and_the_reasoning_markers(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unknown tool parser 'hermes'"):
         load(tmp_path)
+
+
+def test_a_replaced_template_brings_its_own_format(tmp_path):
+    write_tokenizer(tmp_path)
+    plain = load(tmp_path)
+    assert not plain.has_tool_calling
+    served = with_chat_template(plain, "{{ '[TOOL_CALLS]' }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert served.tool_call_start == "[TOOL_CALLS]" and served.eos_token_ids == plain.eos_token_ids
+    assert served.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[TOOL_CALLS]hi"
 
 
 def test_the_plan_follows_the_prompt_and_tool_choice(tokenizer):
