@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
     load_prompt_cache,
     save_prompt_cache,
 )
-from mlx_lm.models.gated_delta import gated_delta_update
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.sample_utils import (
     make_frequency_penalty,
     make_logits_processors,
@@ -166,12 +166,17 @@ def test_cache_masks_default_to_causal_as_upstream():
 # gated_delta.py
 
 
-def naive_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask):
-    """The recurrence per batch row, value head and step, in float64 numpy."""
+def naive_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask, lower_bound=None):
+    """The recurrence per batch row, value head and step, in float64 numpy; with
+    `lower_bound`, upstream's bounded gate exp(lower_bound sigmoid(exp(A_log) (a + dt_bias)))."""
     q, k, v, a, b = (np.array(x, dtype=np.float64) for x in (q, k, v, a, b))
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    g = np.exp(-np.exp(np.array(A_log, np.float64)) * np.log1p(np.exp(a + np.array(dt_bias, np.float64))))
+    A, bias = np.exp(np.array(A_log, np.float64)), np.array(dt_bias, np.float64)
+    if lower_bound is None:
+        g = np.exp(-A * np.log1p(np.exp(a + bias)))
+    else:
+        g = np.exp(lower_bound / (1 + np.exp(-A * (a + bias))))
     beta = 1 / (1 + np.exp(-b))
     S = np.array(state, np.float64).copy()
     y = np.zeros((B, T, Hv, Dv))
@@ -208,6 +213,18 @@ def test_gated_delta_update_matches_naive(T, use_kernel, masked):
     assert np.abs(np.array(y) - want_y).max() < 1e-4 * max(1, np.abs(want_y).max())
     assert np.abs(np.array(new_state) - want_state).max() < 1e-4 * max(1, np.abs(want_state).max())
     assert new_state.dtype == mx.float32 and y.dtype == mx.float32
+
+
+def test_gated_delta_update_with_upstreams_lower_bound_and_normalize_qk():
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(2, 6)
+    q, k = normalize_qk(q * 3, k * 2, inv_scale=8**-0.5, eps=1e-6)
+    assert np.allclose(np.linalg.norm(np.array(k), axis=-1), 1, atol=1e-5)
+    assert np.allclose(np.linalg.norm(np.array(q), axis=-1), 8**-0.5, atol=1e-5)  # the readout scale in q
+    state = randn(2, 4, 8, 8) * 0.3
+    y, new_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, lower_bound=-5.0)
+    want_y, want_state = naive_gated_delta(q, k, v, a, b, A_log, dt_bias, state, np.ones((2, 6), bool), -5.0)
+    assert np.abs(np.array(y) - want_y).max() < 1e-4 * max(1, np.abs(want_y).max())
+    assert np.abs(np.array(new_state) - want_state).max() < 1e-4 * max(1, np.abs(want_state).max())
 
 
 def test_gated_delta_update_keeps_dtypes_and_zero_state():

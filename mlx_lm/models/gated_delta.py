@@ -61,6 +61,28 @@ def compute_g(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     return mx.exp(-mx.exp(A_log.astype(mx.float32)) * softplus)
 
 
+def compute_lower_bound_g(A_log: mx.array, a: mx.array, dt_bias: mx.array, lower_bound: float) -> mx.array:
+    """Upstream's bounded decay g = exp(lower_bound * sigmoid(exp(A_log) * (a + dt_bias))),
+    in fp32: log g stays in (lower_bound, 0) (lower_bound < 0).
+
+    A_log, dt_bias (Hv,); a (B, T, Hv) -> g (B, T, Hv)."""
+    x = a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    return mx.exp(lower_bound * mx.sigmoid(mx.exp(A_log.astype(mx.float32)) * x))
+
+
+def normalize_qk(q: mx.array, k: mx.array, *, inv_scale: float, eps: float) -> Tuple[mx.array, mx.array]:
+    """Upstream's input contract of gated_delta_update: q and k L2-normalised over the
+    head dim (eps added to the sum of squares), and q also scaled by `inv_scale` (the
+    readout scale Dk^-0.5), which the recurrence does not apply itself.
+
+    q, k (..., Dk) -> the same shapes, in their dtypes."""
+    def unit(x):
+        x32 = x.astype(mx.float32)
+        return x32 * mx.rsqrt(mx.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+
+    return (unit(q) * inv_scale).astype(q.dtype), unit(k).astype(k.dtype)
+
+
 def compute_beta(b: mx.array, allow_neg_eigval: bool = False) -> mx.array:
     """Per-token write strength beta = sigmoid(b), doubled with `allow_neg_eigval`
     (then in (0, 2): the write's eigenvalue 1 - beta along k may be negative), in fp32.
@@ -282,12 +304,14 @@ def gated_delta_update(
     mask: Optional[mx.array] = None,
     use_kernel: bool = True,
     *,
+    lower_bound: Optional[float] = None,
     allow_neg_eigval: bool = False,
 ) -> Tuple[mx.array, mx.array]:
     """Upstream mlx-lm's entry point: the recurrence from the layer's raw gate inputs.
 
-    q, k (B, T, Hk, Dk) normalised; v (B, T, Hv, Dv); a, b (B, T, Hv) with
-    g = compute_g(A_log, a, dt_bias) and beta = compute_beta(b, allow_neg_eigval)
+    q, k (B, T, Hk, Dk) as normalize_qk leaves them (no scale is applied here); v (B,
+    T, Hv, Dv); a, b (B, T, Hv) with g = compute_g(A_log, a, dt_bias), or
+    compute_lower_bound_g(..., lower_bound) when given, and beta = compute_beta(b, allow_neg_eigval)
     (sigmoid(b), doubled for the negative-eigenvalue variant); A_log, dt_bias (Hv,);
     state (B, Hv, Dv, Dk), zeros in fp32 if None; mask (B, T) bool, False marking
     padding steps, which leave the state unchanged and output 0. Returns y (B, T, Hv,
@@ -295,7 +319,8 @@ def gated_delta_update(
     fast path (`gated_delta_recurrence`: stepping or chunked by length); False runs the
     plain step-by-step recurrence, the reference (there is no Metal kernel here).
     """
-    g, beta = compute_g(A_log, a, dt_bias), compute_beta(b, allow_neg_eigval)  # (B, T, Hv)
+    g = compute_g(A_log, a, dt_bias) if lower_bound is None else compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+    beta = compute_beta(b, allow_neg_eigval)  # (B, T, Hv)
     if mask is not None:  # a padding step: g = 1 and beta = 0 keep the state as it is
         g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
     if use_kernel:
