@@ -84,12 +84,18 @@ def sparsity_multiplier(sparsity: float) -> float:
     return float(erfinv * np.float32(math.sqrt(2)))
 
 
-def gaussian_topk(x: mx.array, multiplier: float) -> mx.array:
+def gaussian_topk(x: mx.array, multiplier: float, group: Optional[mx.distributed.Group] = None) -> mx.array:
     """relu(x - (mean + multiplier * std)) over the last axis, (..., F) -> (..., F); std
-    is the population one (torch.std(unbiased=False))."""
-    mean = mx.mean(x, axis=-1, keepdims=True)
-    std = mx.sqrt(mx.var(x, axis=-1, keepdims=True))
-    return nn.relu(x - (mean + std * mx.array(multiplier, dtype=x.dtype)))
+    is the population one (torch.std(unbiased=False)). With `group` (tensor parallel: x
+    is this rank's share of the F units) mean and std are over every rank's units."""
+    width, total = x.shape[-1], mx.sum(x, axis=-1, keepdims=True)
+    if group is not None:
+        width, total = width * group.size(), mx.distributed.all_sum(total, group=group)
+    mean = total / width
+    squares = mx.sum(mx.square(x - mean), axis=-1, keepdims=True)
+    if group is not None:
+        squares = mx.distributed.all_sum(squares, group=group)
+    return nn.relu(x - (mean + mx.sqrt(squares / width) * mx.array(multiplier, dtype=x.dtype)))
 
 
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
@@ -276,11 +282,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
         self.multiplier = sparsity_multiplier(sparsity) if sparsity > 0 else None
+        self.units_group: Optional[mx.distributed.Group] = None  # set when sharded: the top-k spans ranks
 
     def __call__(self, x: mx.array) -> mx.array:
         gate = self.gate_proj(x)
         if self.multiplier is not None:
-            gate = gaussian_topk(gate, self.multiplier)
+            gate = gaussian_topk(gate, self.multiplier, self.units_group)
         return self.down_proj(nn.gelu_approx(gate) * self.up_proj(x))
 
 
@@ -388,12 +395,14 @@ def layer_masks(h: mx.array, layers: Sequence[nn.Module], cache: Sequence[Any], 
 
 def run_layers(layers, stack: mx.array, per_layer_inputs: mx.array, masks, cache) -> mx.array:
     """The decoder layers in order; a KV source's (keys, values, cache, offset) are
-    kept for the layers that read them. per_layer_inputs: (B, L, num_layers, P)."""
+    kept for the layers that read them. per_layer_inputs: (B, L, num_layers, P), or
+    None for a model without them (Gemma 4's larger models)."""
     sources = {layer.kv_source for layer in layers}
     kept = {}
     for i, (layer, layer_cache) in enumerate(zip(layers, cache)):
         shared = kept.get(layer.kv_source)
-        stack, kv = layer(stack, per_layer_inputs[:, :, i, :], masks[layer.layer_type], layer_cache, shared)
+        per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
+        stack, kv = layer(stack, per_layer_input, masks[layer.layer_type], layer_cache, shared)
         if i in sources:
             kept[i] = kv
     return stack
@@ -466,14 +475,17 @@ def make_layer_caches(layers, sliding_window: int) -> List[Union[KVCache, Rotati
 
 def shard_layers(layers, group: Optional[mx.distributed.Group] = None) -> None:
     """Tensor parallel: each rank keeps its share of every layer's heads and MLP units;
-    a KV-shared layer's query heads match the kv heads its source keeps on the rank.
-    AltUp, Laurel, the per-layer inputs and the embeddings stay whole."""
+    a KV-shared layer's query heads match the kv heads its source keeps on the rank;
+    a sparse MLP's top-k takes its statistics over every rank's units. AltUp, Laurel,
+    the per-layer inputs and the embeddings stay whole."""
     group = sharding.world(group)
     for layer in layers:
         attn = layer.self_attn
         qkv = ("q_proj",) if attn.reads_kv else ("q_proj", "k_proj") + (() if attn.values_from_keys else ("v_proj",))
         attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group, qkv=qkv)
         sharding.shard_mlp(layer.mlp, group)
+        if isinstance(layer.mlp, MLP):
+            layer.mlp.units_group = group
 
 
 class LanguageModel(nn.Module):
@@ -482,12 +494,13 @@ class LanguageModel(nn.Module):
     # Speculation rolls back exactly: ring buffers record their pre-forward windows,
     # KV caches trim, and KV-shared layers hold nothing of their own.
     supports_speculative_rollback = True
+    backbone_class = TextModel  # gemma4_text swaps in its own
 
     def __init__(self, args: TextModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = TextModel(args)
+        self.model = self.backbone_class(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
