@@ -206,7 +206,8 @@ def plan_chat(tokenizer, prompt: str, tool_choice: str, tools: Optional[List[Any
         initial = "reasoning"  # the template opened the reasoning (Qwen3, DeepSeek-R1 thinking templates)
     if tool_choice == "required" and parse_tools:
         initial = "tool"  # the prompt ends with the start marker
-    return ChatPlan(thinking_and_tool_transitions(think, markers if parse_tools else None), initial,
+    transitions = thinking_and_tool_transitions(think, markers if parse_tools else None, tokenizer.structural_markers)
+    return ChatPlan(transitions, initial,
                     tokenizer.tool_parser if parse_tools else None, tools, markers, parallel_tool_calls)
 
 

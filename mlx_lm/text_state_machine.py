@@ -108,13 +108,15 @@ class TextStateMachine:
         return state._replace(pending=""), state.name
 
 
-def thinking_and_tool_transitions(think: Optional[Tuple[str, str]], tool: Optional[Tuple[str, str]]) -> Transitions:
+def thinking_and_tool_transitions(think: Optional[Tuple[str, str]], tool: Optional[Tuple[str, str]],
+                                  structural: Sequence[str] = ()) -> Transitions:
     """Reasoning between the `think` (start, end) markers; a tool call between the
     `tool` markers, which may also begin inside reasoning (some models call tools
-    before closing their thoughts)."""
-    transitions: Transitions = {}
+    before closing their thoughts); `structural` markers (message framing) removed
+    from the content."""
+    transitions: Transitions = {"normal": [(m, "normal") for m in structural]}
     if think is not None:
-        transitions["normal"] = [(think[0], "reasoning")]
+        transitions["normal"].append((think[0], "reasoning"))
         transitions["reasoning"] = [(think[1], "normal")]
     if tool is not None:
         transitions.setdefault("normal", []).append((tool[0], "tool"))
@@ -126,11 +128,12 @@ def thinking_and_tool_transitions(think: Optional[Tuple[str, str]], tool: Option
 
 def make_text_state_machine(tokenizer, stop_words: Optional[Sequence[str]] = None) -> TextStateMachine:
     """Upstream's builder: reasoning and tool transitions from `tokenizer`
-    (`has_thinking`, `think_start/end`, `has_tool_calling`, `tool_call_start/end`), and
-    each stop word as a transition from every state to itself (it is removed)."""
+    (`has_thinking`, `think_start/end`, `has_tool_calling`, `tool_call_start/end`,
+    `structural_markers`), and each stop word as a transition from every state to
+    itself (it is removed)."""
     think = (tokenizer.think_start, tokenizer.think_end) if tokenizer.has_thinking else None
     tool = (tokenizer.tool_call_start, tokenizer.tool_call_end) if tokenizer.has_tool_calling else None
-    transitions = thinking_and_tool_transitions(think, tool)
+    transitions = thinking_and_tool_transitions(think, tool, tokenizer.structural_markers)
     for state in set(transitions) | {"normal"}:
         transitions.setdefault(state, []).extend((w, state) for w in stop_words or [])
     return TextStateMachine(transitions)

@@ -352,6 +352,7 @@ class TokenizerWrapper:
         self._detokenizer_prototype: Optional[StreamingDetokenizer] = None
         self._chat_template = chat_template
         self._think = thinking_markers(tokenizer.get_vocab())
+        self._structural_markers = structural_markers(tokenizer.get_vocab())
         self._tool_call = None if tool_call_start is None else (tool_call_start, tool_call_end or "")
         self._tool_parser = tool_parser
         ids = _as_id_set(eos_token_ids)
@@ -447,6 +448,10 @@ class TokenizerWrapper:
     @property
     def think_end_id(self) -> Optional[int]:
         return self._single_id(self.think_end)
+
+    @property
+    def structural_markers(self) -> Tuple[str, ...]:
+        return self._structural_markers
 
     @property
     def has_tool_calling(self) -> bool:
@@ -597,7 +602,15 @@ def _wrap(
 # a text that starts with such a token.
 _THINK_TOKENS = [("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>")]
 _THINK_TEXTS = [(("<|channel>", "<channel|>"), ("<|channel>thought", "<channel|>")),
-                (("<|open|>", "<|close|>", "<|sep|>"), ("<|open|>think<|sep|>", "<|close|>think<|sep|>"))]
+                (("<|open|>", "<|close|>", "<|sep|>"), ("<|open|>think<|sep|>", "<|close|>think<|sep|>")),
+                (tool_parsers.HARMONY_TOKENS, ("<|channel|>analysis<|message|>", "<|end|>"))]
+# Message framing some formats write between the parts of an answer: removed from it.
+_STRUCTURAL_MARKERS = [
+    (("<|open|>", "<|close|>", "<|sep|>"),
+     ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")),
+    (tool_parsers.HARMONY_TOKENS,
+     ("<|start|>assistant", "<|channel|>final<|message|>", "<|channel|>commentary<|message|>", "<|end|>")),
+]
 
 
 def thinking_markers(vocabulary: Dict[str, int]) -> Optional[Tuple[str, str]]:
@@ -610,6 +623,14 @@ def thinking_markers(vocabulary: Dict[str, int]) -> Optional[Tuple[str, str]]:
         if all(t in vocabulary for t in tokens):
             return markers
     return None
+
+
+def structural_markers(vocabulary: Dict[str, int]) -> Tuple[str, ...]:
+    """The message framing a vocabulary's format writes inside an answer (or ())."""
+    for tokens, markers in _STRUCTURAL_MARKERS:
+        if all(t in vocabulary for t in tokens):
+            return markers
+    return ()
 
 
 def _model_type(model_path: Path) -> Optional[str]:

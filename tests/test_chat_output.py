@@ -144,6 +144,22 @@ def test_a_required_call_needs_a_format(tmp_path):
     assert forced_call_prefix(load(tmp_path), "auto") == ""
 
 
+def test_gpt_oss_harmony_answers(tmp_path):
+    write_tokenizer(tmp_path)
+    hf = load(tmp_path).tokenizer
+    hf.add_tokens(["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>"], True)
+    hf.save_pretrained(tmp_path)
+    tokenizer = load(tmp_path)
+    assert tokenizer.think_start == "<|channel|>analysis<|message|>" and tokenizer.tool_call_end == "<|call|>"
+    plan = plan_chat(tokenizer, "<|start|>user<|message|>weather?<|end|><|start|>assistant", "auto", TOOLS)
+    call = read(plan.router(False), "<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>"
+                                    'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+    assert (call.reasoning, call.content, call.tool_calls[0]["function"]["name"]) == ("Need it.", "", "get_weather")
+    answer = read(plan.router(False), "<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>final"
+                                      "<|message|>It is sunny.")
+    assert (answer.reasoning, answer.content, answer.tool_calls) == ("ok", "It is sunny.", [])
+
+
 def result(text, finish_reason="stop"):
     return GenerationResult(text, finish_reason, 5, 0, 7, None, [])
 

@@ -110,14 +110,15 @@ def test_a_format_without_an_end_marker_stays_in_its_state():
 class _Markers:
     has_thinking, think_start, think_end = True, "<think>", "</think>"
     has_tool_calling, tool_call_start, tool_call_end = True, "<tool_call>", "</tool_call>"
+    structural_markers = ("<|frame|>",)
 
 
 def test_make_text_state_machine_removes_stop_words_in_every_state():
     machine = make_text_state_machine(_Markers(), stop_words=["STOP"])
     assert ReExported is TextStateMachine
     # Each removal is a transition (to the same state), so it begins a new visit.
-    assert run(machine, ["aSTOPb<think>cSTOPd</think>e"]) == [
-        ("normal", "a"), ("normal", "b"), ("reasoning", "c"), ("reasoning", "d"), ("normal", "e")]
+    assert run(machine, ["aSTOPb<think>cSTOPd</think>e<|frame|>f"]) == [
+        ("normal", "a"), ("normal", "b"), ("reasoning", "c"), ("reasoning", "d"), ("normal", "e"), ("normal", "f")]
 
 
 def test_bad_transitions_are_refused():

@@ -43,6 +43,7 @@ CALLS = [
                "<arg_value>3</arg_value>", [WEATHER]),
     ("longcat", "get_weather<longcat_arg_key>city</longcat_arg_key><longcat_arg_value>Paris</longcat_arg_value>"
                 "<longcat_arg_key>days</longcat_arg_key><longcat_arg_value>3</longcat_arg_value>", [WEATHER]),
+    ("harmony", 'get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}', [WEATHER]),
     ("kimi_k2", '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 3}'
                 '<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
                 '{"zone": "UTC"}<|tool_call_end|>',
@@ -75,6 +76,7 @@ MALFORMED = [
     ("gemma4", "call:get_weather{city:<|\"|>Paris"),
     ("function_gemma", "no call here"),
     ("glm47", "this is prose, not a call"),
+    ("harmony", "get_weather <|constrain|>json"),
     ("kimi_k2", "functions.get_weather{}"),
     ("kimi_k3", '<|open|>call index="1"<|sep|><|close|>call<|sep|>'),
     ("minimax_m2", '<invoke name="get_weather">'),

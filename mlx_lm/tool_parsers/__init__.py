@@ -1,4 +1,4 @@
-"""Tool-call formats, one module per format as upstream names them (and nemotron_json). Each module has
+"""Tool-call formats, one module per format as upstream names them (and nemotron_json, harmony). Each module has
 `tool_call_start` and `tool_call_end` (the markers around a call in the model's
 text; an empty end marker: the call runs to the end of the answer) and
 `parse_tool_call(text, tools=None)`, which takes the text between the markers and
@@ -13,8 +13,9 @@ import importlib
 from types import ModuleType
 from typing import Iterable, Optional
 
-PARSER_NAMES = ("function_gemma", "gemma4", "glm47", "json_tools", "kimi_k2", "kimi_k3", "laguna", "longcat",
-                "minicpm5", "minimax_m2", "mistral", "muse_spark", "nemotron_json", "pythonic", "qwen3_coder")
+PARSER_NAMES = ("function_gemma", "gemma4", "glm47", "harmony", "json_tools", "kimi_k2", "kimi_k3", "laguna",
+                "longcat", "minicpm5", "minimax_m2", "mistral", "muse_spark", "nemotron_json", "pythonic",
+                "qwen3_coder")
 
 # Checked in this order: some templates contain another format's markers too
 # (qwen3_coder and GLM templates hold "<tool_call>" as well).
@@ -38,11 +39,13 @@ _TEMPLATE_MARKERS = (
 
 # Families whose format is known when neither the template nor the vocabulary says.
 _MODEL_TYPES = {"gemma4": "gemma4", "gemma4_text": "gemma4", "glm4_moe": "glm47", "glm4_moe_lite": "glm47",
+                "gpt_oss": "harmony",
                 "kimi_k2": "kimi_k2", "laguna": "laguna", "lfm2": "pythonic", "lfm2_moe": "pythonic",
                 "longcat_flash": "longcat", "minimax": "minimax_m2", "minimax_m2": "minimax_m2",
                 "muse_spark": "muse_spark"}
 
 _XTML_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>")
 
 
 def load_parser(name: str) -> ModuleType:
@@ -68,6 +71,8 @@ def parser_for_model(vocabulary: Iterable[str], model_type: Optional[str]) -> Op
     vocabulary = set(vocabulary)
     if all(t in vocabulary for t in _XTML_TOKENS):
         return "kimi_k3"
+    if all(t in vocabulary for t in HARMONY_TOKENS):
+        return "harmony"
     if "<|tool_call_start|>" in vocabulary and "<|tool_call_end|>" in vocabulary:
         return "pythonic"
     return _MODEL_TYPES.get(model_type)
