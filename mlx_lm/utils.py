@@ -25,6 +25,7 @@ MODEL_REMAPPING = {
     "iquestcoder": "llama",
     "gemma3_text": "gemma3",
     "gemma3n_text": "gemma3n",
+    "gemma4": "gemma4_text",
     "ministral": "llama",
     "llama4_text": "llama4",
 }
