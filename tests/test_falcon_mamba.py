@@ -60,11 +60,25 @@ def test_config_dialects_normalise_alike():
     assert args4.mamba_shape.bcdt_norm == "weightless" and args4.mamba_shape.norm_eps == 1e-6
 
 
+def test_falcon_mamba_7b_config_reads_as_transformers_reads_it():
+    """tiiuae/falcon-mamba-7b's config.json (transformers 4.43): expand 16 is stale, the
+    written intermediate_size 8192 is what its weights (and transformers) use."""
+    hub = dict(architectures=["FalconMambaForCausalLM"], bos_token_id=0, conv_kernel=4, eos_token_id=11, expand=16,
+               hidden_act="silu", hidden_size=4096, initializer_range=0.1, intermediate_size=8192,
+               layer_norm_epsilon=1e-05, model_type="falcon_mamba", num_hidden_layers=64, pad_token_id=11,
+               rescale_prenorm_residual=False, residual_in_fp32=True, state_size=16, tie_word_embeddings=False,
+               time_step_floor=0.0001, time_step_init_scheme="random", time_step_max=0.1, time_step_min=0.001,
+               time_step_rank=256, time_step_scale=1.0, torch_dtype="bfloat16", use_bias=False, use_cache=True,
+               use_conv_bias=True, vocab_size=65024)
+    shape = ModelArgs.from_dict(hub).mamba_shape
+    assert (shape.intermediate_size, shape.dt_rank, shape.state_size, shape.norm_eps) == (8192, 256, 16, 1e-6)
+
+
 def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="mixer_rms_eps must be > 0, got 0"):
         ModelArgs.from_dict(dict(ARGS, mixer_rms_eps=0))
-    with pytest.raises(ValueError, match=r"intermediate_size \(65\) != expand \(2\)"):
-        ModelArgs.from_dict(dict(ARGS, intermediate_size=65))
+    with pytest.raises(ValueError, match="hidden_act 'relu'"):
+        ModelArgs.from_dict(dict(ARGS, hidden_act="relu"))
 
 
 def test_sanitize_drops_the_dummy_norm_weights_once():

@@ -18,7 +18,7 @@ from test_speculative_sampling import PROMPT as LAW_PROMPT
 from test_speculative_sampling import assert_target_law
 
 from mlx_lm.generate import SpeculationStats, speculative_generate_step
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.models.mamba import CONV_STATE, SSM_STATE, ModelArgs
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -58,11 +58,14 @@ def test_config_dialects_normalise_alike():
     derived = {k: v for k, v in tf5.items() if k not in ("intermediate_size", "time_step_rank")}
     assert ModelArgs.from_dict(derived) == args5
     assert ModelArgs.from_dict(dict(derived, time_step_rank="auto")) == args5
+    # A written intermediate_size wins over expand, as in transformers: falcon-mamba-7b
+    # writes expand 16 beside intermediate_size 8192 (2 x its hidden size 4096).
+    assert ModelArgs.from_dict(dict(ARGS, expand=16, intermediate_size=64)).intermediate_size == 64
 
 
 def test_config_errors_name_the_value():
-    with pytest.raises(ValueError, match=r"intermediate_size \(100\) != expand \(2\) \* hidden_size \(32\)"):
-        ModelArgs.from_dict(dict(ARGS, intermediate_size=100))
+    with pytest.raises(ValueError, match="intermediate_size must be positive, got 0"):
+        ModelArgs.from_dict(dict(ARGS, intermediate_size=0))
     with pytest.raises(ValueError, match="time_step_rank must be a positive int or 'auto', got 'big'"):
         ModelArgs.from_dict(dict(ARGS, time_step_rank="big"))
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
@@ -122,6 +125,29 @@ def test_prefill_records_nothing_and_speculation_records_each_forward():
     assert [n for n, _ in cache[0]._rollbacks.records] == [3, 1]
     with pytest.raises(RuntimeError, match="Cannot roll back 5 tokens: only 4 are recorded"):
         cache[0].trim(5)
+
+
+def test_rollback_equals_a_feed_bit_for_bit():
+    """Stronger than the shared check (which allows float tolerance): the replay steps
+    the decode step's arithmetic on the verify forward's own per-token inputs, so rolling
+    a 6-token forward back to m leaves the caches a feed of the m tokens leaves, bit for
+    bit (the reference BLAS computes each row of a product alike whatever the rows)."""
+    model = fixture_model("mamba_tf5")
+
+    def prefilled():
+        cache = make_prompt_cache(model)
+        model(LAW_PROMPT[None], cache=cache)
+        for c in cache:
+            c.start_speculation()
+        return cache
+
+    chunk = [11, 22, 33, 44, 55, 66]
+    for m in range(1, 6):
+        rolled, fed = prefilled(), prefilled()
+        model(mx.array([chunk]), cache=rolled)
+        trim_prompt_cache(rolled, len(chunk) - m)
+        model(mx.array([chunk[:m]]), cache=fed)
+        assert all(mx.array_equal(a, b) for r, f in zip(rolled, fed) for a, b in zip(r.state, f.state)), m
 
 
 # --- the sampling law -------------------------------------------------------------------

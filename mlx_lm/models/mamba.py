@@ -21,8 +21,8 @@ What differs from llama:
   in the hub's transformers-4 checkpoints). Weights, their names and layouts (and the
   older `backbone.embedding.weight`) are mamba2's: `Model.sanitize` is its.
 Config dialects: transformers 4 and 5 write the same keys; `intermediate_size` is
-always expand * hidden_size (transformers recomputes it) and must agree when given,
-`time_step_rank` "auto" is ceil(hidden_size / 16).
+expand * hidden_size unless the config gives it (then it wins, as in transformers:
+falcon-mamba-7b's expand 16 is stale), `time_step_rank` "auto" is ceil(hidden_size / 16).
 References: transformers `models/mamba/modeling_mamba.py`, `configuration_mamba.py`;
 Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces"
 (arXiv 2312.00752).
@@ -80,7 +80,7 @@ class ModelArgs(BaseModelArgs):
     num_hidden_layers: int
     state_size: int = 16
     expand: int = 2
-    intermediate_size: Optional[int] = None  # written by both; must be expand * hidden_size
+    intermediate_size: Optional[int] = None  # None: expand * hidden_size
     conv_kernel: int = 4
     use_bias: bool = False
     use_conv_bias: bool = True
@@ -91,14 +91,12 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
-        computed = self.expand * self.hidden_size
+        # transformers: a written intermediate_size wins over expand (falcon-mamba-7b says
+        # expand 16 with intermediate_size 8192 = 2 x hidden_size, and its weights are 8192 wide).
         if self.intermediate_size is None:
-            self.intermediate_size = computed
-        elif self.intermediate_size != computed:
-            raise ValueError(
-                f"intermediate_size ({self.intermediate_size}) != expand ({self.expand}) * hidden_size "
-                f"({self.hidden_size}); transformers builds {computed} channels, fix one of them"
-            )
+            self.intermediate_size = self.expand * self.hidden_size
+        if self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be positive, got {self.intermediate_size}")
         self.time_step_rank = resolve_dt_rank(self.time_step_rank, self.hidden_size, "time_step_rank")
         check_mixer_config(self.hidden_act, self.conv_kernel)
 

@@ -17,7 +17,8 @@ decomposition (one scalar decay per head) does not apply. Three paths compute it
   associative scan over the chunk, (a1, b1) . (a2, b2) = (a1 a2, a2 b1 + b2), does
   log2(L) times the elementwise work; on the CPU backend, where that work is the cost,
   it measured 1.4x slower than stepping, so it is not used.)
-- `scan_replay`: only the state after T recorded steps (a rollback), in one closed form.
+- `scan_replay`: only the state after T recorded steps (a rollback): the same chain
+  without outputs, so a rollback is bit for bit a feed of the accepted tokens.
 The conv in front of the scan and its state are ssm.py's (`causal_conv1d`,
 `conv_state_after`): Mamba-1 convolves the x channels only.
 References: Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State
@@ -136,28 +137,34 @@ def selective_scan(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.ar
     return y.astype(dtype), state
 
 
+@mx.compile
+def _advance(state, x, dt, A, B):
+    """Only the state after the tokens of x: _chunk's chain of multiply-adds without the
+    outputs. Shapes as in _chunk."""
+    decay = mx.exp(dt[..., None] * A)  # (b, T, I, N)
+    write = (dt * x)[..., None] * B[:, :, None, :]
+    for t in range(x.shape[1]):
+        state = decay[:, t] * state + write[:, t]
+    return state
+
+
 def scan_replay(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, state: Optional[mx.array] = None,
                 num_steps: Optional[Sequence[int]] = None) -> mx.array:
     """Only the state after T recorded steps from `state`: a speculative rollback
     replaying the accepted prefix of a verify forward. Shapes as in selective_scan;
     returns (b, I, N) fp32. `num_steps`: row i replays only its first num_steps[i] steps
-    (dt = 0 leaves a state exactly as it is), so rows rolled back by different counts
-    share one replay.
+    (dt = 0 is a decay of exactly 1 and a write of exactly 0: the row's state stays as
+    it is), so rows rolled back by different counts share one replay.
 
-    One step runs the decode step itself, so a rollback to one token is bit for bit what
-    feeding that token gives. Several use the closed form, with gamma_t = sum_{s<=t} dt_s A:
-        S_T = exp(gamma_T) S + sum_j exp(gamma_T - gamma_j) dt_j x_j B_j^T,
-    which reads and writes the state once where stepping does so T times."""
+    The decode step's arithmetic in one compiled chain, so a rollback gives bit for bit
+    the state a feed of the accepted tokens gives. (Mamba-2's closed form, which reads
+    the state once, saves little here: Mamba-1's decay is per state entry, so the closed
+    form does more elementwise work than the T steps, and the state is no larger than
+    one token's inputs times N.)"""
     x, dt, A, B, _, state = _fp32_inputs(x, dt, A, B, None, state)
-    T = x.shape[1]
     if num_steps is not None:
-        dt = mx.where(steps_mask(num_steps, T)[..., None], dt, 0.0)
-    if T == 1:
-        return _step(state, x[:, 0], dt[:, 0], A, B[:, 0], mx.zeros_like(B[:, 0]))[1]
-    gamma = mx.cumsum(dt[..., None] * A, axis=1)  # (b, T, I, N)
-    weight = mx.exp(gamma[:, -1:] - gamma) * (dt * x)[..., None]  # (b, T, I, N)
-    writes = (weight * B[:, :, None, :]).sum(axis=1)  # (b, I, N)
-    return mx.exp(gamma[:, -1]) * state + writes
+        dt = mx.where(steps_mask(num_steps, x.shape[1])[..., None], dt, 0.0)
+    return _advance(state, x, dt, A, B)
 
 
 def replay_prefix(conv_input: mx.array, x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
