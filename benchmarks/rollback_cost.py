@@ -1,9 +1,9 @@
 """What an exact speculative rollback of recurrent layers costs, three ways, in one run:
-Gated DeltaNet layers at Qwen3-Next sizes, Mamba-2 layers at Nemotron-H sizes and
-RG-LRU blocks at RecurrentGemma-2B sizes.
+Gated DeltaNet layers at Qwen3-Next sizes, Mamba-2 layers at Nemotron-H sizes,
+RG-LRU blocks at RecurrentGemma-2B sizes and Mamba-1 layers at mamba-130m sizes.
 
     python benchmarks/rollback_cost.py [--blas auto|openblas|reference] [--repeats 9]
-                                       [--families gdn,mamba2,rg_lru]
+                                       [--families gdn,mamba2,rg_lru,mamba1]
 
 Each family is a model of recurrent layers only, random weights, fp32:
 - gdn: qwen3_next, 3 linear-attention layers (hidden 2048, 16 key heads, 32 value
@@ -11,7 +11,9 @@ Each family is a model of recurrent layers only, random weights, fp32:
 - mamba2: nemotron_h, 2 Mamba-2 blocks at Nemotron-H 8B sizes (hidden 4096, 128 heads
   of dim 64, state 128, 8 groups, conv kernel 4);
 - rg_lru: recurrent_gemma, 2 recurrent blocks at RecurrentGemma-2B sizes (hidden and
-  lru_width 2560, 10 gate heads, conv kernel 4; a small MLP).
+  lru_width 2560, 10 gate heads, conv kernel 4; a small MLP);
+- mamba1: mamba, 2 Mamba-1 blocks at state-spaces/mamba-130m sizes (hidden 768, 1536
+  channels, state 16, dt rank 48, conv kernel 4).
 It prefills 64 tokens, then runs one verify forward of k+1 tokens (k = 2, 4, 8 drafts)
 and rolls back to m accepted tokens. Strategies:
 
@@ -72,6 +74,17 @@ FAMILIES = {
              "per-position copies of state + conv state 4 x lru_width, and the forward's own per-position "
              "h (which the block outputs anyway) plus the conv input would be 2 x lru_width. Memory does not "
              "favour replay here; time still does (a replay is m elementwise steps, no projection).",
+    ),
+    "mamba1": dict(
+        title="Mamba-1, mamba-130m sizes",
+        config=dict(
+            model_type="mamba", hidden_size=768, num_hidden_layers=2, state_size=16, expand=2,
+            time_step_rank=48, conv_kernel=4, vocab_size=1024,
+        ),
+        note="A Mamba-1 record holds, per token, the conv input, the conv output x, dt (1536 floats "
+             "each) and B (16), and once per forward A = -exp(A_log) (1536 x 16 floats, as large as the "
+             "state): its bytes per token fall as k grows. A per-position copy is the (1536, 16) state "
+             "plus the conv state.",
     ),
 }
 DRAFT_LENGTHS = (2, 4, 8)
