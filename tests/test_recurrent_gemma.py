@@ -14,9 +14,22 @@ recurrent, attention, recurrent), window 8, 40 tokens.
 import mlx.core as mx
 import numpy as np
 import pytest
-from family_checks import FIXTURES, PROMPT, Family, FamilyChecks, fixture_model, reference, relative_error
+from checkpoints import perturb
+from family_checks import (
+    FIXTURES,
+    PROMPT,
+    Family,
+    FamilyChecks,
+    fixture_model,
+    random_model,
+    reference,
+    relative_error,
+)
 from mlx.utils import tree_flatten
+from test_speculative_sampling import PROMPT as LAW_PROMPT
+from test_speculative_sampling import assert_target_law
 
+from mlx_lm.generate import SpeculationStats, speculative_generate_step
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.models.recurrent_gemma import ATTENTION, CONV_STATE, LRU_STATE, RECURRENT, ModelArgs, scale_embeddings
 from mlx_lm.models.rg_lru import (
@@ -26,6 +39,7 @@ from mlx_lm.models.rg_lru import (
     rg_lru_inputs,
     state_after,
 )
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
 
 FAMILY = Family(
@@ -94,16 +108,17 @@ def test_block_diagonal_linear_matches_per_head_products():
 
 
 def test_rg_lru_inputs_follow_transformers_formulas():
-    """a = exp(-8 gate_a softplus(Lambda)), b = x gate_x sqrt(1 - a^2); at position 0 of
-    a sequence a = 0 and b = x gate_x."""
+    """gate = sigmoid(logits), a = exp(-8 gate_a softplus(Lambda)), b = x gate_x
+    sqrt(1 - a^2); at position 0 of a sequence a = 0 and b = x gate_x."""
     rng = np.random.default_rng(0)
-    x, gx, ga = rng.normal(size=(3, 1, 6, 8))
-    gx, ga = 1 / (1 + np.exp(-gx)), 1 / (1 + np.exp(-ga))
+    x, gx_logits, ga_logits = rng.normal(size=(3, 1, 6, 8))
+    gx, ga = 1 / (1 + np.exp(-gx_logits)), 1 / (1 + np.exp(-ga_logits))
     lam = rng.normal(size=8)
     a_want = np.exp(-8.0 * ga * np.log1p(np.exp(lam)))
     b_want = x * gx * np.sqrt(1 - a_want**2)
     for starts in (False, True):
-        a, b = rg_lru_inputs(*(mx.array(t, dtype=mx.float32) for t in (x, gx, ga, lam)), starts_sequence=starts)
+        inputs = (mx.array(t, dtype=mx.float32) for t in (x, gx_logits, ga_logits, lam))
+        a, b = rg_lru_inputs(*inputs, starts_sequence=starts)
         aw, bw = a_want.copy(), b_want.copy()
         if starts:
             aw[:, 0], bw[:, 0] = 0.0, (x * gx)[:, 0]
@@ -257,14 +272,6 @@ def test_speculative_sampling_has_the_target_law():
     """Speculative sampling with a noisy draft of a tiny 16-token RecurrentGemma (every
     round rolls back RG-LRU states and a wrapped window of 4): the output has the
     target's law (the PIT and draft-lean tests of test_speculative_sampling)."""
-    from test_speculative_sampling import PROMPT as LAW_PROMPT
-    from test_speculative_sampling import assert_target_law
-
-    from mlx_lm.generate import SpeculationStats, speculative_generate_step
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
-    from checkpoints import perturb
-    from family_checks import random_model
-
     config = dict(FAMILY.small, vocab_size=16, attention_window_size=4)
     target = random_model(config, seed=0)
     draft = perturb(random_model(config, seed=0), 0.4, seed=1)

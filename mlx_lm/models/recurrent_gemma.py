@@ -224,8 +224,8 @@ class RGLRU(nn.Module):
 
     def inputs(self, x: mx.array, starts_sequence: bool):
         """x (B, T, W) -> the recurrence's a, b (B, T, W)."""
-        gate_x = mx.sigmoid(block_diagonal_linear(x, self.input_gate_weight, self.input_gate_bias))
-        gate_a = mx.sigmoid(block_diagonal_linear(x, self.recurrent_gate_weight, self.recurrent_gate_bias))
+        gate_x = block_diagonal_linear(x, self.input_gate_weight, self.input_gate_bias)
+        gate_a = block_diagonal_linear(x, self.recurrent_gate_weight, self.recurrent_gate_bias)
         return rg_lru_inputs(x, gate_x, gate_a, self.recurrent_param, starts_sequence)
 
 

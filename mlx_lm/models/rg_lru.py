@@ -45,26 +45,29 @@ def block_diagonal_linear(x: mx.array, weight: mx.array, bias: mx.array) -> mx.a
 
 
 @mx.compile
-def _decay_and_multiplier(gate_a: mx.array, recurrent_param: mx.array) -> Tuple[mx.array, mx.array]:
-    """a and sqrt(1 - a^2), (B, T, W) each (compiled: one fused kernel per call)."""
+def _decay_and_inputs(x: mx.array, gate_x_logits: mx.array, gate_a_logits: mx.array,
+                      recurrent_param: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+    """a, b and the unnormalised x * gate_x, (B, T, W) each: one fused kernel per call."""
+    gate_x, gate_a = mx.sigmoid(gate_x_logits), mx.sigmoid(gate_a_logits)
     log_a = -GATE_CONSTANT * gate_a * mx.logaddexp(recurrent_param, 0.0)  # softplus
-    return mx.exp(log_a), mx.sqrt(1 - mx.exp(2 * log_a))
+    multiplier = mx.sqrt(1 - mx.exp(2 * log_a))
+    gated = x * gate_x
+    return mx.exp(log_a), gated * multiplier.astype(x.dtype), gated
 
 
-def rg_lru_inputs(x: mx.array, gate_x: mx.array, gate_a: mx.array, recurrent_param: mx.array,
+def rg_lru_inputs(x: mx.array, gate_x_logits: mx.array, gate_a_logits: mx.array, recurrent_param: mx.array,
                   starts_sequence: bool) -> Tuple[mx.array, mx.array]:
     """The recurrence's per-token decay a and input b, in x's dtype, as transformers
-    computes them (a^2 as exp(2 log a), the sqrt taken of 1 - a^2).
+    computes them (gate = sigmoid(logits), a^2 as exp(2 log a), the sqrt of 1 - a^2).
 
-    x, gate_x, gate_a (B, T, W) (the gates after their sigmoid), recurrent_param (W,)
-    -> a, b (B, T, W). `starts_sequence`: token 0 of x is position 0 of its sequence,
-    where the state resets (a = 0) and b is x * gate_x, unnormalised."""
-    a, multiplier = _decay_and_multiplier(gate_a, recurrent_param)
+    x, gate_x_logits, gate_a_logits (B, T, W) (the gates before their sigmoid),
+    recurrent_param (W,) -> a, b (B, T, W). `starts_sequence`: token 0 of x is position
+    0 of its sequence, where the state resets (a = 0) and b is x * gate_x, unnormalised."""
+    a, b, gated = _decay_and_inputs(x, gate_x_logits, gate_a_logits, recurrent_param)
     if starts_sequence:
         first = mx.arange(x.shape[1])[None, :, None] == 0  # (1, T, 1)
-        multiplier = mx.where(first, mx.ones_like(multiplier), multiplier)
-        a = mx.where(first, mx.zeros_like(a), a)
-    return a, (x * gate_x) * multiplier.astype(x.dtype)
+        a, b = mx.where(first, mx.zeros_like(a), a), mx.where(first, gated, b)
+    return a, b
 
 
 def _fp32(a: mx.array, b: mx.array, state: Optional[mx.array]) -> Tuple[mx.array, mx.array, mx.array]:
