@@ -12,6 +12,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints import TINY_CONFIGS
 from conftest import FIXTURES
 
 from mlx_lm.models import qwen3_next
@@ -111,8 +112,8 @@ def test_config_errors_name_the_value():
         ModelArgs.from_dict(dict(ARGS, linear_num_key_heads=2, linear_num_value_heads=3))
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         ModelArgs.from_dict(dict(ARGS, hidden_act="gelu"))
-    with pytest.raises(ValueError, match="linear_conv_kernel_dim must be >= 2, got 1"):
-        ModelArgs.from_dict(dict(ARGS, linear_conv_kernel_dim=1))
+    with pytest.raises(ValueError, match="linear_conv_kernel_dim must be >= 1, got 0"):
+        ModelArgs.from_dict(dict(ARGS, linear_conv_kernel_dim=0))
     with pytest.raises(ValueError, match="num_experts_per_tok \\(5\\)"):
         ModelArgs.from_dict(dict(ARGS, num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8))
 
@@ -292,3 +293,25 @@ def test_l2_normalize_matches_transformers_formula():
     x = np.random.default_rng(2).standard_normal((3, 4, 16)).astype(np.float32)
     want = 0.25 * x / np.sqrt((x * x).sum(-1, keepdims=True) + qwen3_next.L2_NORM_EPS)
     assert np.allclose(np.array(l2_normalize(mx.array(x), 0.25)), want, atol=1e-6)
+
+
+def test_a_conv_kernel_of_one_keeps_no_conv_state_and_speculates_exactly():
+    """Upstream loads qwen3_5 with linear_conv_kernel_dim = 1 (a per-channel scale): the
+    conv state is empty, both conv layouts are (C, 1, 1), and decoding through the
+    caches and greedy speculation still equal the full forward and plain decoding."""
+    from family_checks import decode, plain, random_model, speculate
+    from checkpoints import perturb
+
+    config = dict(TINY_CONFIGS["qwen3_next"], linear_conv_kernel_dim=1, vocab_size=256)
+    target = random_model(config, scale=0.5)
+    ids = mx.array([[(i * 37 + 11) % 256 for i in range(20)]])
+    full = target(ids)
+    assert (mx.abs(decode(target, ids, [1] * 20) - full).max() / mx.abs(full).max()).item() < 1e-5
+    conv = next(layer.linear_attn.conv1d.weight for layer in target.layers if layer.is_linear)
+    assert conv.shape[1:] == (1, 1)
+    weights = {"model.layers.0.linear_attn.conv1d.weight": conv}
+    assert target.sanitize(dict(weights))["model.layers.0.linear_attn.conv1d.weight"].shape == conv.shape
+    draft = perturb(random_model(config, scale=0.5), 0.05, seed=1)
+    want = plain(target)
+    for k in (1, 3, 6):
+        assert [t for t, _, _ in speculate(target, draft, k)] == want, k

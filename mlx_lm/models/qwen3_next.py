@@ -122,10 +122,10 @@ class ModelArgs(BaseModelArgs):
                 f"linear_num_key_heads ({self.linear_num_key_heads})"
             )
         check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
-        # K = 1 would leave no conv state, and would make the HF (C, 1, K) and MLX (C, K, 1)
-        # conv layouts indistinguishable, which sanitize relies on.
-        if self.linear_conv_kernel_dim < 2:
-            raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {self.linear_conv_kernel_dim}")
+        # K = 1 (a per-channel scale, no conv state) is allowed: both conv layouts are then
+        # (C, 1, 1), so sanitize has nothing to convert.
+        if self.linear_conv_kernel_dim < 1:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
         if self.rotary_dims % 2 or not 0 < self.rotary_dims <= self.head_dim:
             raise ValueError(
                 f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} gives "
