@@ -10,6 +10,11 @@ concurrent requests decode together in one BatchGenerator (continuous batching,
 `--max-batch-size 1` or under mlx.launch it is a GenerationWorker, which serves one
 request at a time.
 
+Tool calls and reasoning. A chat prompt is rendered with the tools its tool_choice
+leaves (chat_output.py); with the tokens goes the request's ChatPlan, by which the
+handler thread splits the answer's text into content, reasoning and tool calls. The
+worker only ever sees text, so speculation cannot change what the client gets.
+
 Limits. A prompt longer than the model's context (`--max-prompt-tokens`) is refused
 with a 400 on the handler thread, before any model work; a text too long to fit even
 at the vocabulary's longest token per token is refused before tokenizing. Answers are
