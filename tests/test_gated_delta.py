@@ -20,12 +20,28 @@ from mlx_lm.models.gated_delta import (
     gated_delta_update,
     unit_lower_inverse,
 )
+from mlx_lm.models.gated_delta import (
+    KDA_CHUNK_SIZE,
+    KDA_CHUNKS_PER_BLOCK,
+    compute_kda_g,
+    kda_chunked,
+    kda_recurrence,
+    kda_replay,
+    kda_sequential,
+)
 
 FP32_TOLERANCE = 1e-5  # max |error| / max |reference|; observed ~1e-6
 
 
 def reference(q, k, v, g, beta, state):
-    """The recurrence token by token in float64: S <- g S; S <- S + beta (v - S k) k^T; y = S q."""
+    """The recurrence token by token in float64: S <- g S; S <- S + beta (v - S k) k^T; y = S q.
+    (KDA's loop with the one gate on every channel.)"""
+    g = np.broadcast_to(np.array(g, dtype=np.float64)[..., None], (*np.shape(g), q.shape[-1]))
+    return kda_reference(q, k, v, g, beta, state)
+
+
+def kda_reference(q, k, v, g, beta, state):
+    """KDA token by token in float64: S <- S diag(g); S <- S + beta (v - S k) k^T; y = S q."""
     q, k, v, g, beta, S = (np.array(x, dtype=np.float64) for x in (q, k, v, g, beta, state))
     B, T, Hk, _ = q.shape
     Hv, Dv = v.shape[-2:]
@@ -33,7 +49,7 @@ def reference(q, k, v, g, beta, state):
     for t in range(T):
         for h in range(Hv):
             kh, qh = k[:, t, h // (Hv // Hk)], q[:, t, h // (Hv // Hk)]
-            S[:, h] *= g[:, t, h][:, None, None]
+            S[:, h] *= g[:, t, h][:, None, :]
             delta = beta[:, t, h][:, None] * (v[:, t, h] - np.einsum("bvk,bk->bv", S[:, h], kh))
             S[:, h] += delta[:, :, None] * kh[:, None, :]
             y[:, t, h] = np.einsum("bvk,bk->bv", S[:, h], qh)
@@ -266,3 +282,80 @@ def test_update_takes_the_variant_as_an_option():
         y, new_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, allow_neg_eigval=allow)
         y_ref, state_ref = reference(q, k, v, g, compute_beta(b, allow), state)
         assert relative_error(y, y_ref) < FP32_TOLERANCE and relative_error(new_state, state_ref) < FP32_TOLERANCE
+
+
+# --- KDA (Kimi Linear): the per-channel decay g (B, T, Hv, Dk) ------------------------------
+
+
+def make_kda_inputs(B=1, T=8, Hk=2, Hv=2, Dk=16, Dv=8, seed=0, g_range=(0.3, 1.0)):
+    """make_inputs with a decay per key channel, spread over g_range."""
+    q, k, v, _, beta, state = make_inputs(B, T, Hk, Hv, Dk, Dv, seed)
+    g = np.random.default_rng(seed + 1).uniform(*g_range, (B, T, Hv, Dk))
+    return [q, k, v, mx.array(g.astype(np.float32)), beta, state]
+
+
+def test_compute_kda_g_matches_formula():
+    rng = np.random.default_rng(3)
+    A_log = rng.standard_normal(2)
+    a, dt_bias = rng.standard_normal((2, 5, 2, 4)) * 4, rng.standard_normal(8)
+    want = np.exp(-np.exp(A_log)[:, None] * np.log1p(np.exp(a + dt_bias.reshape(2, 4))))
+    got = compute_kda_g(*(mx.array(x.astype(np.float32)) for x in (A_log, a, dt_bias)))
+    assert got.dtype == mx.float32 and got.shape == (2, 5, 2, 4)
+    assert relative_error(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("Hk,Hv", [(2, 2), (1, 3)])
+def test_kda_sequential_matches_reference(Hk, Hv):
+    inputs = make_kda_inputs(B=2, T=7, Hk=Hk, Hv=Hv, seed=300 + Hv)
+    y, state = kda_sequential(*inputs)
+    y_ref, state_ref = kda_reference(*inputs)
+    assert relative_error(y, y_ref) < FP32_TOLERANCE and relative_error(state, state_ref) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("T,chunk_size", [(5, 4), (16, 16), (37, 8), (KDA_CHUNK_SIZE * KDA_CHUNKS_PER_BLOCK + 3, KDA_CHUNK_SIZE)])
+def test_kda_chunked_matches_reference(T, chunk_size):
+    """Within one chunk, across chunks, and across blocks of chunks, from a carried state."""
+    inputs = make_kda_inputs(T=T, Hk=1, Hv=2, Dk=16, seed=310 + T)
+    y, state = kda_chunked(*inputs, chunk_size=chunk_size)
+    y_ref, state_ref = kda_reference(*inputs)
+    assert relative_error(y, y_ref) < FP32_TOLERANCE and relative_error(state, state_ref) < FP32_TOLERANCE
+
+
+def test_kda_per_channel_decay_differs_from_its_mean():
+    """The vector gate matters: a decay averaged over the channels gives another state."""
+    inputs = make_kda_inputs(T=6, seed=320, g_range=(0.05, 1.0))
+    mean_gate = mx.broadcast_to(inputs[3].mean(-1, keepdims=True), inputs[3].shape)
+    _, state = kda_sequential(*inputs)
+    _, averaged = kda_sequential(*inputs[:3], mean_gate, *inputs[4:])
+    assert relative_error(averaged, state) > 0.05
+
+
+def test_kda_strong_forgetting_stays_finite():
+    """Decays that underflow in fp32 (log g below the floor) stay finite in every path."""
+    inputs = make_kda_inputs(T=20, seed=330, g_range=(1e-30, 1e-20))
+    for y, state in (kda_chunked(*inputs, chunk_size=8), kda_sequential(*inputs)):
+        assert np.isfinite(np.array(y)).all() and np.isfinite(np.array(state)).all()
+    y_ref, _ = kda_reference(*inputs)
+    assert relative_error(kda_chunked(*inputs, chunk_size=8)[0], y_ref) < FP32_TOLERANCE
+
+
+def test_kda_recurrence_dispatches_and_checks_shapes():
+    inputs = make_kda_inputs(T=CHUNKED_MIN_TOKENS + 2, seed=340)
+    y, state = kda_recurrence(*inputs)
+    y_ref, state_ref = kda_reference(*inputs)
+    assert relative_error(y, y_ref) < FP32_TOLERANCE and relative_error(state, state_ref) < FP32_TOLERANCE
+    q, k, v, g, beta, _ = inputs
+    assert kda_recurrence(q, k, v, g, beta)[1].shape == inputs[5].shape  # zero state
+    with pytest.raises(ValueError, match="KDA inputs disagree"):
+        kda_recurrence(q, k, v, g[..., 0], beta)  # a scalar gate is the other path
+
+
+@pytest.mark.parametrize("T", [1, 3, 5, 8])
+def test_kda_replay_equals_reference(T):
+    """The whole recorded window, and per-row prefixes (rows T and T - 1) in one replay."""
+    inputs = make_kda_inputs(B=2, T=T, Hk=1, Hv=2, Dk=32, Dv=16, seed=350 + T)
+    assert relative_error(kda_replay(*inputs), kda_reference(*inputs)[1]) < FP32_TOLERANCE
+    per_row = kda_replay(*inputs, num_steps=[T, T - 1])
+    for row, n in ((0, T), (1, T - 1)):
+        sliced = [x[row : row + 1, :n] for x in inputs[:5]] + [inputs[5][row : row + 1]]
+        assert relative_error(per_row[row : row + 1], kda_reference(*sliced)[1]) < FP32_TOLERANCE
