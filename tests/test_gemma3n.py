@@ -18,7 +18,10 @@ from checkpoints import VOCAB_SIZE
 from family_checks import FIXTURES, PROMPT, Family, FamilyChecks, fixture_model, reference, relative_error
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache, SharedKVReader, make_prompt_cache, trim_prompt_cache
+from mlx_lm.lru_prompt_cache import copy_prompt_cache
+from mlx_lm.models.batch_cache import extract_caches, merge_caches
+from mlx_lm.models.cache import (KVCache, RotatingKVCache, SharedKVReader, load_prompt_cache, make_prompt_cache,
+                                 save_prompt_cache, trim_prompt_cache)
 from mlx_lm.models.gemma3n import (
     FULL,
     SLIDING,
@@ -107,6 +110,25 @@ def assert_rollback_reaches_readers(model):
     for token in (40, 41, 42):
         got, want = model(mx.array([[token]]), cache=cache), model(mx.array([[token]]), cache=fresh)
         assert mx.allclose(got, want, atol=1e-5, rtol=1e-5), token
+
+
+def test_shared_kv_reader_holds_nothing(tmp_path):
+    """A KV-shared layer's entry: trims any amount, never waits for tokens, saves,
+    copies, batches and comes back out of a batch as itself, beside real caches."""
+    model = fixture_model("gemma3n_text_tf5")
+    cache = make_prompt_cache(model)
+    model(PROMPT[None], cache=cache)
+    reader = cache[2]
+    assert reader.is_trimmable() and reader.trim(5) == 5 and reader.size() == 0 and not reader.empty()
+    assert reader.state == [] and reader.nbytes == 0 and reader.make_mask(3) is None
+    with pytest.raises(ValueError, match="holds no arrays; got a state of 1"):
+        reader.state = [mx.zeros((1,))]
+    save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    assert [type(c) for c in load_prompt_cache(str(tmp_path / "c.safetensors"))] == [type(c) for c in cache]
+    assert type(copy_prompt_cache(cache)[2]) is SharedKVReader
+    batched = merge_caches([cache, copy_prompt_cache(cache)])
+    assert isinstance(batched[2], SharedKVReader) and batched[2].bookkeeping == []
+    assert [type(c) for c in extract_caches(batched, 1)] == [type(c) for c in cache]
 
 
 def test_kv_sources_naive_and_errors():
