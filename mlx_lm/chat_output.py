@@ -71,22 +71,22 @@ class ToolCallFormatter:
         self._index = 0
 
     def parse(self, text: str) -> Optional[List[dict]]:
-        """The calls of one block, or None if it is not one the format can read."""
+        """The calls of one block, or None if it is not one the format can read (or
+        its arguments are not JSON values, e.g. a Python set a literal gave)."""
         try:
             parsed = self._tool_parser(text, self._tools)
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+                raise ValueError(f"the format's parser returned {parsed!r}, not calls")
+            encoded = [json.dumps(c.get("arguments", {}), ensure_ascii=False) for c in calls]
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             log.warning("The model's tool call did not parse (%s: %s); returned as content", type(e).__name__, e)
             return None
-        calls = parsed if isinstance(parsed, list) else [parsed]
-        if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            log.warning("The model's tool call parsed to %r, not calls; returned as content", parsed)
-            return None
-        return [self._format(call) for call in calls]
+        return [self._format(call, arguments) for call, arguments in zip(calls, encoded)]
 
-    def _format(self, call: dict) -> dict:
-        arguments = call.get("arguments", {})
+    def _format(self, call: dict, arguments: str) -> dict:
         out = {"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-               "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+               "function": {"name": call["name"], "arguments": arguments}}
         if self._streaming:
             out["index"] = self._index
             self._index += 1

@@ -45,6 +45,9 @@ def test_a_block_that_does_not_parse_is_content_as_written():
     assert (delta.content, delta.tool_calls) == ("a" + broken + "b", [])
     cut_off = '<tool_call>{"name": "get_weather"'  # max_tokens ended the block
     assert read(router(), "a" + cut_off).content == "a" + cut_off
+    # A format that reads Python literals can give values JSON has no words for.
+    set_valued = ToolCallFormatter(lambda text, tools: {"name": "f", "arguments": {"x": {1, 2}}}, None)
+    assert set_valued.parse("anything") is None and set_valued(["anything"]) == []
 
 
 def test_one_call_when_parallel_calls_are_off():
