@@ -16,6 +16,7 @@ template, the real server: only the weights are chosen rather than trained.
 """
 
 import json
+import shutil
 
 import mlx.core as mx
 import openai
@@ -86,12 +87,17 @@ def write_oracle(directory):
 # Prompt lookup inside the batch, and a draft model (the oracle itself) one request at a
 # time. Plain greedy decoding of the oracle gives exactly its chains, which the tests
 # expect; so speculation giving them too is speculation giving what plain decoding does.
-SERVERS = {"lookup": ["--prompt-lookup"], "draft": ["--draft-model", "ORACLE", "--max-batch-size", "1"]}
+SERVERS = {"lookup": ["--prompt-lookup", "--allow-other-models"],
+           "draft": ["--draft-model", "ORACLE", "--max-batch-size", "1"]}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    oracle = write_oracle(tmp_path_factory.mktemp("oracle"))
+def oracle(tmp_path_factory):
+    return write_oracle(tmp_path_factory.mktemp("oracle"))
+
+
+@pytest.fixture(scope="module")
+def servers(oracle, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tool_logs")
     started = {name: start_server(name, oracle, logs / f"{name}.log", None,
                                   [str(oracle) if f == "ORACLE" else f for f in flags])
@@ -160,6 +166,19 @@ def test_a_non_streamed_call_equals_the_streamed_one(servers):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", {"city": "Paris"})]
     assert response.choices[0].finish_reason == "tool_calls"
+
+
+def test_another_models_answer_is_read_by_its_own_plan(servers, oracle, tmp_path):
+    # The worker renders the prompt of a model it loads on demand (--allow-other-models).
+    other = shutil.copytree(oracle, tmp_path / "other")
+    client = servers["lookup"].client
+    try:
+        response = client.chat.completions.create(model=str(other), messages=HISTORY, tools=TOOLS)
+    finally:
+        client.close()
+    message = response.choices[0].message
+    assert (message.content, message.tool_calls[0].function.name, response.choices[0].finish_reason) == (
+        None, "get_weather", "tool_calls")
 
 
 def test_tool_choice(servers):
