@@ -1,0 +1,85 @@
+"""Checks the MoE test modules of issue 34 share beyond family_checks.py (test_qwen2_moe,
+test_mixtral, test_phimoe, test_olmoe, test_granitemoe, test_glm4_moe): a naive
+per-token, per-expert loop to hold a MoE block against, and sanitize on the three
+layouts (transformers' saved per-expert one, transformers 5's fused in-memory one, the
+MLX-converted one)."""
+
+import re
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+from family_checks import FIXTURES, fixture_model
+from mlx.utils import tree_flatten
+
+Weights = Dict[str, mx.array]
+
+
+def np_swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """One SwiGLU expert in float64: x (H,), gate/up (I, H), down (H, I) -> (H,)."""
+    g, u = gate @ x, up @ x
+    return down @ (g / (1 + np.exp(-g)) * u)
+
+
+def naive_moe(x: mx.array, choose: Callable[[np.ndarray], List[Tuple[int, float]]],
+              gate: mx.array, up: mx.array, down: mx.array) -> np.ndarray:
+    """The routed sum token by token: x (B, L, H); `choose(token)` gives the
+    (expert, weight) pairs of one token (H,); gate/up (E, I, H), down (E, H, I) ->
+    (B, L, H) float64. A loop over tokens and chosen experts, as the papers write it."""
+    xs = np.array(x, dtype=np.float64)
+    g, u, d = (np.array(w, dtype=np.float64) for w in (gate, up, down))
+    out = np.zeros_like(xs)
+    for b in range(xs.shape[0]):
+        for t in range(xs.shape[1]):
+            for e, w in choose(xs[b, t]):
+                out[b, t] += w * np_swiglu(xs[b, t], g[e], u[e], d[e])
+    return out
+
+
+def np_softmax(z: np.ndarray) -> np.ndarray:
+    z = np.exp(z - z.max())
+    return z / z.sum()
+
+
+def relative(got: mx.array, want: np.ndarray) -> float:
+    return float(np.abs(np.array(got, dtype=np.float64) - want).max() / np.abs(want).max())
+
+
+def fuse_per_expert(weights: Weights, block: str, gate: str, up: str, down: str, into: str) -> Weights:
+    """transformers' saved per-expert tensors `{block}.experts.{e}.{gate|up|down}.weight`
+    -> transformers 5's in-memory ones `{into}.experts.gate_up_proj` (E, 2I, H) (gate
+    rows first) and `{into}.experts.down_proj` (E, H, I): what its loader builds."""
+    pattern = re.compile(rf"^(.*\.){re.escape(block)}\.experts\.(\d+)\.({gate}|{up}|{down})\.weight$")
+    out, experts = {}, {}
+    for key, value in weights.items():
+        match = pattern.match(key)
+        if match:
+            prefix, e, proj = match.groups()
+            experts.setdefault(prefix, {}).setdefault(proj, {})[int(e)] = value
+        else:
+            out[key] = value
+    for prefix, projs in experts.items():
+        stack = {p: mx.stack([v[e] for e in sorted(v)]) for p, v in projs.items()}
+        out[f"{prefix}{into}.experts.gate_up_proj"] = mx.concatenate([stack[gate], stack[up]], axis=1)
+        out[f"{prefix}{into}.experts.down_proj"] = stack[down]
+    return out
+
+
+def assert_same(a: Weights, b: Weights, what: str) -> None:
+    assert sorted(a) == sorted(b), (what, sorted(set(a) ^ set(b)))
+    assert all(a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]) for k in a), what
+
+
+def assert_sanitize_layouts(fixtures: Sequence[str], to_memory: Callable[[Weights], Weights]) -> None:
+    """For each fixture: transformers' saved layout sanitizes to exactly the model's
+    parameters; transformers 5's in-memory layout (`to_memory` of the saved one) to the
+    same tensors; and a second pass (the MLX layout) changes nothing."""
+    for name in fixtures:
+        model = fixture_model(name)
+        raw = mx.load(str(FIXTURES / name / "model.safetensors"))
+        once = model.sanitize(dict(raw))
+        assert sorted(once) == sorted(k for k, _ in tree_flatten(model.parameters())), name
+        memory = to_memory(dict(raw))
+        assert memory.keys() != raw.keys(), f"{name}: the in-memory layout renames something"
+        assert_same(model.sanitize(memory), once, f"{name}: in-memory layout")
+        assert_same(model.sanitize(dict(once)), once, f"{name}: second pass")
