@@ -351,8 +351,9 @@ class TokenizerWrapper:
         # Built on first use: the SPM/BPE tables cost O(vocab) to make.
         self._detokenizer_prototype: Optional[StreamingDetokenizer] = None
         self._chat_template = chat_template
-        self._think = thinking_markers(tokenizer.get_vocab())
-        self._structural_markers = structural_markers(tokenizer.get_vocab())
+        vocabulary = tokenizer.get_vocab()  # a fresh dict of the whole vocabulary: read once
+        self._think = thinking_markers(vocabulary)
+        self._structural_markers = structural_markers(vocabulary)
         self._tool_call = None if tool_call_start is None else (tool_call_start, tool_call_end or "")
         self._tool_parser = tool_parser
         ids = _as_id_set(eos_token_ids)
