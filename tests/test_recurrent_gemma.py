@@ -1,6 +1,6 @@
 """recurrent_gemma.py and rg_lru.py: the shared family checks (family_checks.py) on the
 transformers fixtures, plus what only this family has: the RG-LRU recurrence and its
-doubling scan against a naive loop (and prefix stability, which makes a rollback's
+chunked scan against a naive loop (and prefix stability, which makes a rollback's
 replay bit for bit the verify forward's own state), its inputs against transformers'
 formulas, the config dialects, sanitize, the bfloat16 embedding scale, and the
 sampling law at T > 0 through recurrent and sliding-window rollbacks.
@@ -10,6 +10,8 @@ hidden 48, 2 KV heads, q/k/v bias, 3 conv taps) and recurrent_gemma_tf5 (transfo
 dialect, hidden 64, lru_width 80, one KV head, 4 taps); both 4 layers (recurrent,
 recurrent, attention, recurrent), window 8, 40 tokens.
 """
+
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -75,10 +77,11 @@ def test_linear_scan_matches_a_naive_loop():
         h = a_np[:, t] * h + b_np[:, t]
         want.append(h)
     want = np.stack(want, axis=1)
-    for scan in (linear_scan_sequential, linear_scan):
+    chunked = [partial(linear_scan, chunk_size=c) for c in (1, 4, 16, 64)]  # 37 tokens: padded, or one chunk
+    for scan in [linear_scan_sequential] + chunked:
         hs, last = scan(a, b, h0)
         assert hs.dtype == last.dtype == mx.float32
-        assert np.allclose(np.array(hs), want, rtol=1e-5, atol=1e-5), scan.__name__
+        assert np.allclose(np.array(hs), want, rtol=1e-5, atol=1e-5), scan
         assert mx.array_equal(last, hs[:, -1])
     # No state: zeros; one token: exactly the decode step.
     assert mx.allclose(linear_scan(a, b)[0], linear_scan_sequential(a, b, mx.zeros_like(h0))[0], atol=1e-5)
@@ -89,9 +92,12 @@ def test_linear_scan_is_prefix_stable_and_replay_is_bit_exact():
     """Every prefix of a scan is bit for bit the scan of that prefix; state_after
     (int or per-row counts) is the scan's own state at m."""
     a, b, h0 = random_scan_inputs(T=21)
+    for chunk_size in (4, 16):
+        hs, _ = linear_scan(a, b, h0, chunk_size=chunk_size)
+        for m in range(1, a.shape[1] + 1):
+            assert mx.array_equal(linear_scan(a[:, :m], b[:, :m], h0, chunk_size=chunk_size)[0], hs[:, :m]), m
     hs, _ = linear_scan(a, b, h0)
     for m in range(1, a.shape[1] + 1):
-        assert mx.array_equal(linear_scan(a[:, :m], b[:, :m], h0)[0], hs[:, :m]), m
         assert mx.array_equal(state_after(a, b, h0, m), hs[:, m - 1]), m
     rows = state_after(a, b, h0, [0, 13])
     assert mx.array_equal(rows[0], h0[0]) and mx.array_equal(rows[1], hs[1, 12])

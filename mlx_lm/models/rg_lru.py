@@ -13,12 +13,16 @@ reads every h_t (its output), and h_T is the recurrent state its cache keeps.
 
 Two paths compute the recurrence h_t = a_t h_{t-1} + b_t:
 - `linear_scan_sequential`: step by step (the reference).
-- `linear_scan`: a Hillis-Steele doubling scan, ceil(log2 T) whole-sequence steps of
-  (a, b) o (a', b') = (a a', a' b + b'). Position t's result is built from positions
-  <= t only, in an order fixed by t alone, so it is *prefix stable*: feeding m tokens
-  in one forward gives bit for bit the first m positions of any longer forward. That
-  is what makes `state_after` (a speculative rollback's replay of an accepted prefix)
-  equal, bit for bit, both the verify forward's own state at m and a fresh feed of m.
+- `linear_scan`: in chunks of CHUNK_SIZE positions: every chunk steps from a zero
+  state at once (C steps over all chunks), then the state is carried from chunk to
+  chunk (T / C steps) and added in, scaled by the decay since the chunk's start. A
+  position's result is built from positions <= t only, in an order fixed by t alone,
+  so the scan is *prefix stable*: feeding m tokens in one forward gives bit for bit
+  the first m positions of any longer forward. That makes `state_after` (a
+  speculative rollback's replay of an accepted prefix) equal, bit for bit, both the
+  verify forward's own state at m and a fresh feed of those m tokens.
+  (A doubling, Hillis-Steele scan is prefix stable too, but T log T work made it 4x
+  slower than stepping for 2048 tokens on the CPU.)
 References: De et al., "Griffin: Mixing Gated Linear Recurrences with Local Attention
 for Efficient Language Models" (arXiv 2402.19427); transformers
 `models/recurrent_gemma/modeling_recurrent_gemma.py` (RecurrentGemmaRglru).
@@ -30,6 +34,10 @@ import mlx.core as mx
 
 # The gate constant c of log a = -c * gate_a * softplus(Lambda) (Griffin, section 2.4).
 GATE_CONSTANT = 8.0
+# Positions per chunk of linear_scan: a prefill of T tokens takes C + T / C sequential
+# steps instead of T. Fixed (never chosen from T), which keeps the scan prefix stable.
+# 16 measured fastest of 16 / 32 / 64 for 2048 tokens of width 2560 on the CPU.
+CHUNK_SIZE = 16
 
 
 def block_diagonal_linear(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
@@ -92,29 +100,42 @@ def linear_scan_sequential(a: mx.array, b: mx.array, state: Optional[mx.array] =
     return mx.stack(hs, axis=1), h
 
 
-def _shifted(x: mx.array, by: int, fill: float) -> mx.array:
-    """x moved `by` positions later along axis 1, the first `by` positions `fill`."""
+def _to_chunks(x: mx.array, num_chunks: int, chunk_size: int, fill: float) -> mx.array:
+    """(B, T, W) padded at the end with `fill` to num_chunks * chunk_size -> (B, n, C, W)."""
     B, T, W = x.shape
-    pad = mx.full((B, min(by, T), W), fill, x.dtype)
-    return mx.concatenate([pad, x[:, : T - by]], axis=1) if by < T else pad
+    pad = num_chunks * chunk_size - T
+    if pad:
+        x = mx.concatenate([x, mx.full((B, pad, W), fill, x.dtype)], axis=1)
+    return x.reshape(B, num_chunks, chunk_size, W)
 
 
-def linear_scan(a: mx.array, b: mx.array, state: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
-    """h_t = a_t h_{t-1} + b_t by doubling, prefix stable (see the module docstring).
+def linear_scan(a: mx.array, b: mx.array, state: Optional[mx.array] = None,
+                chunk_size: int = CHUNK_SIZE) -> Tuple[mx.array, mx.array]:
+    """h_t = a_t h_{t-1} + b_t in chunks, prefix stable (see the module docstring).
 
     a, b (B, T, W); state (B, W) or None (zeros) -> every h (B, T, W) fp32, h_T (B, W) fp32.
-    After the step of shift s, position t holds the composition of positions
-    (t - 2s, t]; positions before s combine with the identity (1, 0), which leaves
-    them exactly as they are."""
+    Every chunk c first runs from a zero state, all chunks in one loop of C steps:
+    local h~_t and the decay product A_t = prod of a since the chunk's start; then the
+    state H entering each chunk is carried across chunks (n steps), and
+    h_t = h~_t + A_t H_{c-1}. Padding (a = 1, b = 0) leaves h and A exactly as they are."""
     a, b, state = _fp32(a, b, state)
-    first = a[:, :1] * state[:, None] + b[:, :1]  # the state folded into position 0
-    b = first if b.shape[1] == 1 else mx.concatenate([first, b[:, 1:]], axis=1)
-    shift = 1
-    while shift < a.shape[1]:
-        b = b + a * _shifted(b, shift, 0.0)
-        a = a * _shifted(a, shift, 1.0)
-        shift *= 2
-    return b, b[:, -1]
+    B, T, W = a.shape
+    C = min(chunk_size, T)  # a shorter update is one chunk: the same steps as chunk 0
+    n = -(-T // C)
+    a, b = _to_chunks(a, n, C, 1.0), _to_chunks(b, n, C, 0.0)  # (B, n, C, W)
+    h, decay = b[:, :, 0], a[:, :, 0]  # (B, n, W)
+    local, decays = [h], [decay]
+    for t in range(1, C):
+        h, decay = a[:, :, t] * h + b[:, :, t], decay * a[:, :, t]
+        local.append(h)
+        decays.append(decay)
+    local, decays = mx.stack(local, axis=2), mx.stack(decays, axis=2)  # (B, n, C, W)
+    entering = [state]
+    for c in range(n - 1):
+        entering.append(decays[:, c, -1] * entering[-1] + local[:, c, -1])
+    hs = local + decays * mx.stack(entering, axis=1)[:, :, None]  # (B, n, C, W)
+    hs = hs.reshape(B, n * C, W)[:, :T]
+    return hs, hs[:, -1]
 
 
 def state_after(a: mx.array, b: mx.array, state: Optional[mx.array], m: Union[int, Sequence[int]]) -> mx.array:
