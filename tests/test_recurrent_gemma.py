@@ -226,6 +226,8 @@ def test_config_dialects_give_the_same_args():
         assert args.layer_types == [RECURRENT, RECURRENT, ATTENTION, RECURRENT, RECURRENT]
         assert (args.lru_width, args.head_dim) == (32, 16)
     assert ModelArgs.from_dict(dict(TF5, layer_types=tf5.layer_types)).layer_types == tf5.layer_types
+    only_kinds = {k: v for k, v in TF5.items() if k != "block_types"}
+    assert ModelArgs.from_dict(dict(only_kinds, layer_types=[RECURRENT] * 5)).block_types is None
     # transformers' defaults: theta 1e4, half the head turned, recurrent-recurrent-attention.
     bare = {k: v for k, v in TF5.items() if k not in ("rope_parameters", "block_types")}
     args = ModelArgs.from_dict(bare)
@@ -239,6 +241,7 @@ def test_config_dialects_give_the_same_args():
     ({"layer_types": [RECURRENT] * 5}, "disagrees with block_types"),
     ({"head_dim": 8}, "head_dim 8"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_theta": 10000.0}, "rope_theta is 10000.0"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0}}, "'linear'"),
     ({"conv1d_width": 1}, "conv1d_width must be >= 2, got 1"),
     ({"lru_width": 33}, "lru_width 33"),

@@ -128,8 +128,10 @@ class ModelArgs(BaseModelArgs):
                 f"recurrent_gemma supports only default rope, got rope_parameters={self.rope_parameters!r}, "
                 f"rope_scaling={self.rope_scaling!r}"
             )
-        theta = self.rope_theta if self.rope_theta is not None else params.get("rope_theta")
-        self.rope_theta = DEFAULT_ROPE_THETA if theta is None else theta
+        self.rope_theta, _ = same_value("rope_theta", self.rope_theta,
+                                        "rope_parameters['rope_theta']", params.get("rope_theta"))
+        if self.rope_theta is None:
+            self.rope_theta = DEFAULT_ROPE_THETA
         self.partial_rotary_factor, _ = same_value(
             "partial_rotary_factor", self.partial_rotary_factor,
             "rope_parameters['partial_rotary_factor']", params.get("partial_rotary_factor"),
@@ -138,26 +140,26 @@ class ModelArgs(BaseModelArgs):
             self.partial_rotary_factor = DEFAULT_PARTIAL_ROTARY_FACTOR
 
     def _normalise_layer_pattern(self):
-        """layer_types as given, else block_types repeated over the layers; both given
-        must agree."""
+        """layer_types as given, else block_types (default: recurrent, recurrent,
+        attention) repeated over the layers; both given must agree."""
         self.block_types, self._block_types = same_value(
             "block_types", self.block_types, "_block_types", self._block_types
         )
-        if self.block_types is not None:
-            unknown = sorted(set(self.block_types) - set(BLOCK_KINDS))
-            if not self.block_types or unknown:
-                raise ValueError(f"block_types {self.block_types!r}: give a non-empty list of {list(BLOCK_KINDS)}")
-        block_types = list(DEFAULT_BLOCK_TYPES if self.block_types is None else self.block_types)
-        repeated = [BLOCK_KINDS[block_types[i % len(block_types)]] for i in range(self.num_hidden_layers)]
+        if self.block_types is not None and (not self.block_types or set(self.block_types) - set(BLOCK_KINDS)):
+            raise ValueError(f"block_types {self.block_types!r}: give a non-empty list of {list(BLOCK_KINDS)}")
         if self.layer_types is None:
-            self.layer_types = repeated
+            if self.block_types is None:
+                self.block_types = self._block_types = list(DEFAULT_BLOCK_TYPES)
+            self.layer_types = self._repeated(self.block_types)
         check_layer_types(self.layer_types, self.num_hidden_layers, (RECURRENT, ATTENTION))
-        if self.block_types is not None and self.layer_types != repeated:
+        if self.block_types is not None and self.layer_types != self._repeated(self.block_types):
             raise ValueError(
                 f"layer_types {self.layer_types} disagrees with block_types {self.block_types} repeated over "
                 f"{self.num_hidden_layers} layers; remove one of them"
             )
-        self.block_types = self._block_types = block_types
+
+    def _repeated(self, block_types: Sequence[str]) -> List[str]:
+        return [BLOCK_KINDS[block_types[i % len(block_types)]] for i in range(self.num_hidden_layers)]
 
     def _validate(self):
         check_head_grouping(self.num_attention_heads, self.num_key_value_heads)
