@@ -157,6 +157,9 @@ def test_dialects_normalise_alike():
     assert hub.kv_heads == tf5.kv_heads == [2] * 5 + [1]
     assert hub.rope == tf5.rope
     assert hub.rope[FULL] == dict(head_dim=32, base=1e6, partial_rotary_factor=0.25, factor=1.0)  # the default
+    untyped = TextModelArgs.from_dict(dict(TEXT, rope_parameters={
+        FULL: {"rope_theta": 1e6, "partial_rotary_factor": 0.25}, SLIDING: {"rope_theta": 1e4}}))
+    assert untyped.rope[FULL]["partial_rotary_factor"] == 1.0  # no rope_type: default rope, whole head (transformers)
     plain = TextModelArgs.from_dict(dict(TEXT, num_global_key_value_heads=1))
     assert plain.head_dims[-1] == 512 and plain.kv_heads[-1] == 2  # the KV-head override needs k = v
 
