@@ -4,10 +4,14 @@ Expert weights are stacked (E, out, in) and applied with gathered matmuls
 (`mx.gather_mm` / `mx.gather_qmm`), so there is no Python loop over experts. For many
 tokens (prefill) the (token, expert) pairs are sorted by expert first, so each expert's
 weight is read once per contiguous run instead of once per token.
+
+`stack_experts` and `split_fused_experts` turn the checkpoints' expert layouts (one
+tensor per expert; transformers 5's fused gate_up_proj) into these stacks.
 """
 
 import functools
-from typing import Callable, Optional, Tuple
+import re
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,3 +143,36 @@ class SwitchGLU(nn.Module):
         if do_sort:
             y = unsort(y, restore, indices.shape)
         return y.squeeze(-2)
+
+
+# --- checkpoint layouts of expert stacks ---------------------------------------------
+
+EXPERT_KEY = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """Per-expert tensors `...mlp.experts.{e}.{proj}.weight` (out, in) -> one stacked
+    `...mlp.experts.{proj}.weight` (E, out, in) per layer and projection, in place."""
+    groups: Dict[str, Dict[int, str]] = {}
+    for key in list(weights):
+        match = EXPERT_KEY.match(key)
+        if match:
+            stem, expert, proj = match.groups()
+            groups.setdefault(f"{stem}.{proj}.weight", {})[int(expert)] = key
+    for stacked, by_expert in groups.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"{stacked}: experts {sorted(by_expert)} are not 0..{len(by_expert) - 1}")
+        weights[stacked] = mx.stack([weights.pop(by_expert[e]) for e in range(len(by_expert))])
+    return weights
+
+
+def split_fused_experts(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """transformers' in-memory experts, `gate_up_proj` (E, 2I, D) (gate rows first) and
+    `down_proj` (E, D, I), -> our gate/up/down `.weight` (E, out, in), in place."""
+    for key in [k for k in weights if k.endswith(".mlp.experts.gate_up_proj")]:
+        gate, up = mx.split(weights.pop(key), 2, axis=1)
+        weights[key[: -len("gate_up_proj")] + "gate_proj.weight"] = gate
+        weights[key[: -len("gate_up_proj")] + "up_proj.weight"] = up
+    for key in [k for k in weights if k.endswith(".mlp.experts.down_proj")]:
+        weights[key + ".weight"] = weights.pop(key)
+    return weights
