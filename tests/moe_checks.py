@@ -41,6 +41,32 @@ def np_softmax(z: np.ndarray) -> np.ndarray:
     return z / z.sum()
 
 
+def softmax_top_k(router: mx.array, k: int, normalize: bool) -> Callable[[np.ndarray], List[Tuple[int, float]]]:
+    """The textbook softmax router of weight (E, H), for naive_moe: the k most probable
+    experts of a token and their probabilities, renormalised to sum to 1 if `normalize`."""
+    weight = np.array(router, dtype=np.float64)
+
+    def choose(x: np.ndarray) -> List[Tuple[int, float]]:
+        p = np_softmax(weight @ x)
+        best = np.argsort(-p)[:k]
+        return list(zip(best, p[best] / (p[best].sum() if normalize else 1.0)))
+
+    return choose
+
+
+def assert_block_equals_naive(block, choose, dims: int, shared=None) -> None:
+    """`block` (its experts in `block.switch_mlp`) on random (2, 5, dims) inputs equals
+    naive_moe with `choose`, plus `shared(token)` (float64) when given, to 1e-5."""
+    x = mx.random.normal((2, 5, dims), key=mx.random.key(0))
+    s = block.switch_mlp
+    want = naive_moe(x, choose, s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+    if shared is not None:
+        xs = np.array(x, dtype=np.float64)
+        for b, t in np.ndindex(2, 5):
+            want[b, t] += shared(xs[b, t])
+    assert relative(block(x), want) < 1e-5
+
+
 def relative(got: mx.array, want: np.ndarray) -> float:
     return float(np.abs(np.array(got, dtype=np.float64) - want).max() / np.abs(want).max())
 
@@ -63,6 +89,12 @@ def fuse_per_expert(weights: Weights, block: str, gate: str, up: str, down: str,
         out[f"{prefix}{into}.experts.gate_up_proj"] = mx.concatenate([stack[gate], stack[up]], axis=1)
         out[f"{prefix}{into}.experts.down_proj"] = stack[down]
     return out
+
+
+def fused_mlp_experts(weights: Weights) -> Weights:
+    """transformers 5's in-memory layout of the `mlp.experts.{e}.{gate,up,down}_proj`
+    families (qwen2_moe, olmoe, glm4_moe): the same block name, experts fused."""
+    return fuse_per_expert(weights, "mlp", "gate_proj", "up_proj", "down_proj", into="mlp")
 
 
 def assert_same(a: Weights, b: Weights, what: str) -> None:

@@ -7,12 +7,10 @@ Fixtures come from fixtures/make_mixtral_reference.py: mixtral_tf4 (hub dialect,
 sliding_window 8) and mixtral_tf5 (as transformers 5 saves it, no window, tied).
 """
 
-import mlx.core as mx
-import numpy as np
 import pytest
 from checkpoints import VOCAB_SIZE
 from family_checks import Family, FamilyChecks, fixture_model
-from moe_checks import assert_sanitize_layouts, fuse_per_expert, naive_moe, np_softmax, relative
+from moe_checks import assert_block_equals_naive, assert_sanitize_layouts, fuse_per_expert, softmax_top_k
 from sliding_checks import assert_override_matters
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -40,16 +38,7 @@ class TestMixtral(FamilyChecks):
 def test_moe_block_equals_a_naive_loop(name):
     """Softmax over all experts, the k best renormalised to sum to 1."""
     block = fixture_model(name).layers[1].block_sparse_moe
-    router = np.array(block.gate.weight, dtype=np.float64)
-
-    def choose(x):
-        p = np_softmax(router @ x)
-        best = np.argsort(-p)[:2]
-        return list(zip(best, p[best] / p[best].sum()))
-
-    x = mx.random.normal((2, 5, 64), key=mx.random.key(0))
-    s = block.switch_mlp
-    assert relative(block(x), naive_moe(x, choose, s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)) < 1e-5
+    assert_block_equals_naive(block, softmax_top_k(block.gate.weight, 2, normalize=True), 64)
 
 
 def test_a_window_makes_every_layer_slide():

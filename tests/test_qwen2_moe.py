@@ -9,12 +9,11 @@ a dense middle layer, no renormalisation) and qwen2_moe_tf5 (as transformers 5 s
 it, decoder_sparse_step 2, renormalised top-k, tied).
 """
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from checkpoints import VOCAB_SIZE
 from family_checks import Family, FamilyChecks, fixture_model
-from moe_checks import assert_sanitize_layouts, fuse_per_expert, naive_moe, np_softmax, np_swiglu, relative
+from moe_checks import assert_block_equals_naive, assert_sanitize_layouts, fused_mlp_experts, np_swiglu, softmax_top_k
 from sliding_checks import assert_override_matters
 
 from mlx_lm.models.qwen2_moe import ModelArgs, SparseMoeBlock
@@ -42,25 +41,12 @@ def test_moe_block_equals_a_naive_loop(name):
     shared expert scaled by sigmoid(shared_expert_gate x)."""
     model = fixture_model(name)
     block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
-    router = np.array(block.gate.weight, dtype=np.float64)
-    k, norm = model.args.num_experts_per_tok, model.args.norm_topk_prob
-
-    def choose(x):
-        p = np_softmax(router @ x)
-        best = np.argsort(-p)[:k]
-        w = p[best] / (p[best].sum() if norm else 1.0)
-        return list(zip(best, w))
-
-    x = mx.random.normal((2, 5, 64), key=mx.random.key(0))
-    s = block.switch_mlp
-    want = naive_moe(x, choose, s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
     shared = block.shared_expert
-    sw = [np.array(w, dtype=np.float64) for w in (shared.gate_proj.weight, shared.up_proj.weight,
-                                                   shared.down_proj.weight, block.shared_expert_gate.weight)]
-    xs = np.array(x, dtype=np.float64)
-    for b, t in np.ndindex(2, 5):
-        want[b, t] += np_swiglu(xs[b, t], *sw[:3]) / (1 + np.exp(-(sw[3] @ xs[b, t])))
-    assert relative(block(x), want) < 1e-5
+    gate, up, down, scale = (np.array(w, dtype=np.float64) for w in (
+        shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, block.shared_expert_gate.weight))
+    choose = softmax_top_k(block.gate.weight, model.args.num_experts_per_tok, model.args.norm_topk_prob)
+    assert_block_equals_naive(block, choose, 64,
+                              shared=lambda x: np_swiglu(x, gate, up, down) / (1 + np.exp(-(scale @ x))))
 
 
 @pytest.mark.parametrize("name, override", [
@@ -98,5 +84,4 @@ def test_config_errors_name_the_value(override, message):
 
 
 def test_sanitize_takes_every_layout_once():
-    assert_sanitize_layouts(FAMILY.fixtures, lambda w: fuse_per_expert(w, "mlp", "gate_proj", "up_proj",
-                                                                       "down_proj", into="mlp"))
+    assert_sanitize_layouts(FAMILY.fixtures, fused_mlp_experts)

@@ -120,7 +120,8 @@ def from_memory_layout(weights: Weights, memory: Tuple[str, str], hub: Tuple[str
         head, sep, tail = key.partition(f".{block}.")
         stem = f"{head}.{hub_block}."
         if sep and tail == "experts.gate_up_proj":
-            out[stem + "switch_mlp.gate_proj.weight"], out[stem + "switch_mlp.up_proj.weight"] = mx.split(value, 2, 1)
+            gate, up = mx.split(value, 2, axis=1)
+            out[stem + "switch_mlp.gate_proj.weight"], out[stem + "switch_mlp.up_proj.weight"] = gate, up
         elif sep and tail == "experts.down_proj":
             out[stem + "switch_mlp.down_proj.weight"] = value
         elif sep and tail == f"{router}.weight":
