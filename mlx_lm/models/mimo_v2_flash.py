@@ -25,15 +25,16 @@ Weights: hub checkpoints (and transformers' save) store one tensor per expert
 (`gate_up_proj` (E, 2I, D), `down_proj` (E, D, I)) and names the sinks `sinks`. The
 hub's multi-token-prediction layers (`model.mtp.*`) are dropped: their blocks are
 MiMo's own (not the Qwen3-Next layout mlx_lm/mtp.py runs), and transformers ignores
-them too. The hub's FP8 release must be dequantized first (`quantization_config` fp8
-is refused by name).
+them too. The hub's FP8 release (e4m3 weights, one `weight_scale_inv` per 128 x 128
+tile) is dequantized to bfloat16 on load; checkpoints converted by upstream mlx-lm
+(experts under `mlp.switch_mlp`, float or quantized) load too.
 
 Reference: transformers `models/mimo_v2_flash/modeling_mimo_v2_flash.py`,
 `configuration_mimo_v2_flash.py`.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -110,7 +111,9 @@ class ModelArgs(BaseModelArgs):
     swa_v_head_dim: Optional[int] = None
     add_swa_attention_sink_bias: bool = True
     add_full_attention_sink_bias: bool = False
-    quantization_config: Optional[Dict[str, Any]] = None
+    n_shared_experts: Optional[int] = None  # hub: null (transformers has no shared expert)
+    topk_method: Optional[str] = None  # hub: "noaux_tc", the routing route() implements
+    quantization_config: Optional[Dict[str, Any]] = None  # hub: the FP8 release's blocks
 
     def __post_init__(self):
         if self.rms_norm_eps is None:
@@ -187,12 +190,34 @@ class ModelArgs(BaseModelArgs):
                 f"n_routed_experts ({self.n_routed_experts}) must split into n_group ({self.n_group}) equal groups, "
                 f"of which topk_group ({self.topk_group}) are kept"
             )
+        if self.n_shared_experts:
+            raise ValueError(f"n_shared_experts {self.n_shared_experts} is not supported: mimo_v2_flash's experts "
+                             "are all routed (transformers' MiMoV2FlashMoE has no shared expert)")
+        if self.topk_method not in (None, "noaux_tc"):
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported; mimo_v2_flash routes by 'noaux_tc'")
         method = (self.quantization_config or {}).get("quant_method")
-        if method is not None:
+        if method not in (None, "fp8"):
             raise ValueError(
-                f"quantization_config.quant_method {method!r} is not supported for mimo_v2_flash; "
-                "dequantize the checkpoint (e.g. to bfloat16) or convert it with mlx_lm.convert first"
+                f"quantization_config.quant_method {method!r} is not supported for mimo_v2_flash; only the "
+                "release's block-scaled 'fp8' (dequantized on load) or MLX-converted checkpoints load"
             )
+
+    @property
+    def fp8_block(self) -> Tuple[int, int]:
+        """(rows, columns) of the FP8 weight tiles that share one scale."""
+        rows, cols = (self.quantization_config or {}).get("weight_block_size", (128, 128))
+        return rows, cols
+
+
+def dequantize_fp8_blocks(weight: mx.array, scale_inv: mx.array, block: Tuple[int, int],
+                          dtype: mx.Dtype = mx.bfloat16) -> mx.array:
+    """A block-scaled FP8 weight -> `dtype`: `weight` (out, in) holds e4m3 bytes (uint8),
+    `scale_inv` (ceil(out / rows), ceil(in / cols)) one multiplier per (rows, cols)
+    tile (the last tiles may be partial); the value is fp8(weight) * its tile's scale."""
+    rows, cols = block
+    out_dims, in_dims = weight.shape
+    scales = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), rows, axis=0), cols, axis=1)  # (>= out, >= in)
+    return (mx.from_fp8(weight, dtype=mx.float32) * scales[:out_dims, :in_dims]).astype(dtype)
 
 
 class Attention(nn.Module):
@@ -286,8 +311,13 @@ class Model(llama.Model):
         `lm_head`); each rewrite consumes the keys it reads, so our own layout (a second
         call, MLX-converted checkpoints) passes unchanged."""
         weights = {k: v for k, v in super().sanitize(weights).items() if not k.startswith("model.mtp.")}
+        for key in [k for k in weights if k.endswith(".weight_scale_inv")]:  # the FP8 release
+            weight = key[: -len("_scale_inv")]
+            weights[weight] = dequantize_fp8_blocks(weights[weight], weights.pop(key), self.args.fp8_block)
         for key in [k for k in weights if k.endswith(".self_attn.attention_sink_bias")]:
             weights[key[: -len("attention_sink_bias")] + "sinks"] = weights.pop(key)
+        for key in [k for k in weights if ".mlp.switch_mlp." in k]:  # converted by upstream mlx-lm
+            weights[key.replace(".mlp.switch_mlp.", ".mlp.experts.")] = weights.pop(key)
         return split_fused_experts(stack_experts(weights))
 
     def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
