@@ -119,6 +119,7 @@ def test_config_dialects_give_the_same_args():
     ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "0.5"),
     ({"num_dense_layers": 5}, "num_dense_layers 5"),
     ({"hidden_act": "gelu"}, "'gelu'"),
+    ({"num_shared_experts": -1}, "got -1"),
 ])
 def test_config_errors_name_the_value(override, message):
     with pytest.raises(ValueError, match=message):
@@ -143,3 +144,11 @@ def test_sanitize_reads_transformers_fused_layout():
         fused[f"{stem}.down_proj"] = mx.stack([raw[f"{stem}.{e}.down_proj.weight"] for e in range(4)])
     got = model.sanitize(fused)
     assert got.keys() == want.keys() and all(mx.array_equal(got[k], want[k]) for k in want)
+
+
+def test_no_shared_expert_when_there_are_none():
+    """num_shared_experts 0: transformers' zero-unit MLP adds zeros; we build none."""
+    model = random_model(dict(SHAPE, num_shared_experts=0, vocab_size=256))
+    moe = model.layers[-1].mlp
+    assert not moe.has_shared and "shared_experts" not in moe
+    assert model(IDS).shape == (1, 20, 256)

@@ -13,11 +13,12 @@ What differs from llama:
 - The first `num_dense_layers` MLPs are dense SwiGLU; the rest are mixtures of experts:
   a sigmoid router whose choice adds `expert_bias` to the scores, weights the chosen
   unbiased scores renormalised (+1e-20) times `route_scale`, always, plus a shared
-  SwiGLU expert of `num_shared_experts * moe_intermediate_size` units.
+  SwiGLU expert of `num_shared_experts * moe_intermediate_size` units (none when 0).
 
 Weights: checkpoints store one tensor per expert (`mlp.experts.{e}.{gate,up,down}_proj
 .weight`), the router as `mlp.router.gate.weight` and the bias as `mlp.expert_bias`;
 transformers' in-memory layout fuses the experts (`gate_up_proj`, `down_proj`).
+Checkpoints converted by upstream mlx-lm use our names and load as they are.
 
 Reference: transformers `models/afmoe/modeling_afmoe.py`, `configuration_afmoe.py`.
 """
@@ -102,6 +103,8 @@ class ModelArgs(BaseModelArgs):
         if (self.n_group, self.topk_group) != (1, 1):
             raise ValueError(f"group-limited routing (n_group {self.n_group}, topk_group {self.topk_group}) is "
                              "not supported: afmoe (as transformers) chooses among all experts")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if not 0 <= self.num_dense_layers <= self.num_hidden_layers:
             raise ValueError(f"num_dense_layers {self.num_dense_layers} is outside 0..{self.num_hidden_layers}")
 
@@ -154,14 +157,16 @@ class MoE(nn.Module):
         self.router = Router(args.hidden_size, args.num_experts)
         self.expert_bias = mx.zeros((args.num_experts,))
         self.experts = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
+        self.has_shared = args.num_shared_experts > 0  # transformers' zero-unit MLP adds zeros
+        if self.has_shared:
+            self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
 
     def __call__(self, x: mx.array) -> mx.array:
         logits = self.router.gate(x).astype(mx.float32)  # (..., E)
         experts, weights = route(logits, self.expert_bias, self.top_k, 1, 1, True, self.route_scale)  # (..., k)
         y = self.experts(x, experts)  # (..., k, D)
         routed = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-        return self.shared_experts(x) + routed
+        return self.shared_experts(x) + routed if self.has_shared else routed
 
 
 class DecoderLayer(nn.Module):
@@ -231,7 +236,8 @@ class Model(llama.Model):
             attn.n_heads, attn.n_kv_heads = sharding.shard_attention(
                 attn, attn.n_heads, attn.n_kv_heads, group, qkv=("q_proj", "k_proj", "v_proj", "gate_proj"))
             if isinstance(layer.mlp, MoE):
-                sharding.shard_mlp(layer.mlp.shared_experts, group, reduce=False)
+                if layer.mlp.has_shared:
+                    sharding.shard_mlp(layer.mlp.shared_experts, group, reduce=False)
                 sharding.shard_moe(layer.mlp, layer.mlp.experts, group)
             else:
                 sharding.shard_mlp(layer.mlp, group)
