@@ -431,7 +431,7 @@ class GenerationWorker:
         self.default_num_draft_tokens = default_num_draft_tokens
         self.fixed_draft_length = fixed_draft_length
         self.prompt_lookup, self.max_ngram_size = prompt_lookup, max_ngram_size
-        self.jobs: "queue.Queue[Job]" = queue.Queue()
+        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()  # None: stop()
         self._thread: Optional[threading.Thread] = None
         self.metrics = Metrics()  # what GET /metrics reports
         self._running: Optional[Job] = None  # the job `run` is on
@@ -443,6 +443,14 @@ class GenerationWorker:
         """Run `run_forever` on its own (daemon) thread."""
         self._thread = threading.Thread(target=self._run_logged, name="generation", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread once the jobs submitted before are done (`join` waits)."""
+        self.jobs.put(None)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
     def _run_logged(self) -> None:
         try:
@@ -467,8 +475,8 @@ class GenerationWorker:
         return self.jobs.qsize()
 
     def run_forever(self) -> None:
-        while True:
-            self.run(self.jobs.get())
+        while (job := self.jobs.get()) is not None:  # None: stop()
+            self.run(job)
 
     def run(self, job: Job) -> None:
         kind = job.request.kind
@@ -663,7 +671,7 @@ class BatchWorker(GenerationWorker):
         super().__init__(provider, prefill_step_size, default_num_draft_tokens, fixed_draft_length, prompt_lookup,
                          max_ngram_size)
         self.max_batch_size = max_batch_size
-        self.backlog: "deque[Job]" = deque()
+        self.backlog: "deque[Optional[Job]]" = deque()
         self.streams: Dict[int, _Stream] = {}
         self.generator = self._make_generator()  # a model that cannot speculate fails here, at startup
 
@@ -690,6 +698,8 @@ class BatchWorker(GenerationWorker):
             self._admit()
             if self.streams:
                 self.step()
+            elif self.backlog and self.backlog[0] is None:  # stop(), everything before it done
+                return
             elif self.backlog:  # another model's request, and the batch is empty
                 self.run(self.backlog.popleft())
 
@@ -703,7 +713,7 @@ class BatchWorker(GenerationWorker):
                 return
 
     def _admit(self) -> None:
-        while self.backlog and self.backlog[0].model_key is None:
+        while self.backlog and self.backlog[0] is not None and self.backlog[0].model_key is None:
             job = self.backlog.popleft()
             if job.cancelled.is_set():
                 log.info("Client disconnected while queued; request dropped")
