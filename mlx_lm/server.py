@@ -78,6 +78,9 @@ from .openai_api import (
     parse_request,
 )
 from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
+from . import server_embedding
+# Upstream's embedding API, for `from mlx_lm.server import ...` (server_embedding.py).
+from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments  # noqa: F401
 from .utils import compute_dtype, parameter_dtypes
 from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .fast_blas import blas_line
@@ -87,7 +90,7 @@ from .serving import (
     BatchWorker,
     GenerationWorker,
     Job,
-    ModelProvider,
+    ModelProvider as ServingModelProvider,
     ServedModel,
     model_id,
 )
@@ -252,7 +255,7 @@ class APIServer(ThreadingHTTPServer):
         # Hostnames never contain ':', IPv6 literals always do.
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), APIHandler)
-        self.provider: Optional[ModelProvider] = None
+        self.provider: Optional[ServingModelProvider] = None
         self.worker: Optional[GenerationWorker] = None
         self.defaults = defaults
         self.allowed_origins = allowed_origins
@@ -321,6 +324,15 @@ class APIHandler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"
     POST_ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text"}
     PROBE_INTERVAL = 1.0  # seconds between writes that test a client whose side reads as closed
+
+    def __init__(self, *args: Any, system_fingerprint: Optional[str] = None, **kwargs: Any):
+        """APIServer's form, (request, client_address, server), or upstream's embedding
+        form with a ResponseGenerator first, served by a stock http.server server
+        (server_embedding.py; system_fingerprint is accepted for upstream's signature)."""
+        if len(args) == 4:  # BaseRequestHandler takes three
+            args = server_embedding.split_handler_args(args)
+            self.protocol_version = "HTTP/1.0"  # one request per connection, as upstream's handler
+        super().__init__(*args, **kwargs)
 
     def setup(self) -> None:
         # Bounds each read and write; the request line and headers have a deadline too.
@@ -719,10 +731,10 @@ def _log_limits(served: ServedModel, max_prompt_tokens: Optional[int]) -> None:
              lru.max_size, lru.max_bytes / 1e9)
 
 
-def make_provider(args: argparse.Namespace, group: mx.distributed.Group) -> ModelProvider:
-    return ModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
-                         args.prompt_cache_bytes, args.chat_template or None, args.max_prompt_tokens, args.dtype,
-                         mtp=args.mtp, group=group)
+def make_provider(args: argparse.Namespace, group: mx.distributed.Group) -> ServingModelProvider:
+    return ServingModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
+                                args.prompt_cache_bytes, args.chat_template or None, args.max_prompt_tokens,
+                                args.dtype, mtp=args.mtp, group=group)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -1,0 +1,170 @@
+"""server_embedding.py: the server embedded as upstream mlx-lm 0.32.2's users do, a
+stock `http.server` server whose handler is `APIHandler(response_generator, ...)`,
+on tiny checkpoints. Answers must equal plain in-process generation (the draft makes
+the worker speculate), and the hardening limits must hold through the adapters."""
+
+import argparse
+import http.client
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import HTTPServer, ThreadingHTTPServer
+
+import openai
+import pytest
+from checkpoints import TINY_CONFIGS, write_checkpoint
+
+from mlx_lm.generate import generate
+from mlx_lm.openai_api import MAX_BODY_BYTES
+from mlx_lm.server import APIHandler, LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments
+from mlx_lm.server import ToolCallFormatter  # noqa: F401  (upstream's import list, all of it)
+from mlx_lm.utils import load
+
+MAX_TOKENS = 10
+MESSAGES = [{"role": "user", "content": "Tell me about caches."}]
+
+
+def upstream_cli_args(**overrides):
+    """What upstream 0.32.2's `mlx_lm.server` parser returns for its defaults."""
+    args = dict(model=None, adapter_path=None, host="127.0.0.1", port=8080, allowed_origins="*", draft_model=None,
+                num_draft_tokens=3, trust_remote_code=False, log_level="INFO", chat_template="",
+                use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=MAX_TOKENS,
+                chat_template_args={}, decode_concurrency=32, prompt_concurrency=8, prefill_step_size=2048,
+                prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
+                quantized_kv_start=5000, pipeline=False)
+    return argparse.Namespace(**{**args, **overrides})
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embedding_models")
+    return {"dense": write_checkpoint(root / "dense", TINY_CONFIGS["qwen3"]),
+            # The same weights shrunk: agrees with "dense" on about half the tokens.
+            "draft": write_checkpoint(root / "draft", TINY_CONFIGS["qwen3"], scale=0.45)}
+
+
+def serve(response_generator, server_class):
+    """Upstream's embedding, line for line: a stock server on a free port, in a thread."""
+    httpd = server_class(("localhost", 0), lambda *args, **kwargs: APIHandler(response_generator, *args, **kwargs))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    return httpd, thread
+
+
+@pytest.fixture(scope="module")
+def embedded(model_dirs):
+    """A stock single-threaded HTTPServer, the model speculating with a draft."""
+    args = upstream_cli_args(model=str(model_dirs["dense"]), draft_model=str(model_dirs["draft"]))
+    response_generator = ResponseGenerator(ModelProvider(args), LRUPromptCache(args.prompt_cache_size))
+    httpd, thread = serve(response_generator, HTTPServer)
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+    response_generator.stop_and_join()
+
+
+def client(httpd):
+    return openai.OpenAI(base_url=f"http://localhost:{httpd.server_port}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def raw(httpd, body, headers=None):
+    """(status, decoded JSON) of a POST to /v1/chat/completions sent as is."""
+    connection = http.client.HTTPConnection("localhost", httpd.server_port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=body, headers=headers or {})
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return response.status, json.loads(data)
+
+
+_loaded = {}
+
+
+def reference(model_dir, messages=None, prompt=None):
+    """Plain greedy generation in this process, from an empty cache."""
+    if model_dir not in _loaded:
+        _loaded[model_dir] = load(str(model_dir))
+    model, tokenizer = _loaded[model_dir]
+    if messages is not None:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        tokens = tokenizer.encode(prompt)
+    return generate(model, tokenizer, tokens, max_tokens=MAX_TOKENS)
+
+
+def test_chat_and_text_equal_plain_generation_streamed_or_not(embedded, model_dirs):
+    openai_client = client(embedded)
+    expected_chat = reference(model_dirs["dense"], messages=MESSAGES)
+    whole = openai_client.chat.completions.create(model="default_model", messages=MESSAGES, temperature=0)
+    assert whole.choices[0].message.content == expected_chat
+    assert whole.usage.model_extra["speculation"]["num_drafted"] > 0  # the draft ran
+    chunks = openai_client.chat.completions.create(model="default_model", messages=MESSAGES, temperature=0,
+                                                   stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_chat
+
+    prompt = "Once upon a time there was"
+    expected_text = reference(model_dirs["dense"], prompt=prompt)
+    text = openai_client.completions.create(model="default_model", prompt=prompt, temperature=0)
+    assert text.choices[0].text == expected_text
+    streamed = openai_client.completions.create(model="default_model", prompt=prompt, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected_text
+
+
+def test_malformed_and_oversized_requests_are_refused_and_the_server_goes_on(embedded, model_dirs):
+    status, body = raw(embedded, b'{"messages": [', {"Content-Type": "application/json"})
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = raw(embedded, json.dumps({"messages": "hi"}))
+    assert status == 400
+    status, body = raw(embedded, b"", {"Content-Length": str(MAX_BODY_BYTES + 1)})
+    assert status == 413
+    status, body = raw(embedded, json.dumps({"messages": MESSAGES, "temperature": 0}))
+    assert status == 200 and body["choices"][0]["message"]["content"] == reference(model_dirs["dense"], MESSAGES)
+
+
+def test_threading_server_batches_concurrent_requests(model_dirs):
+    args = upstream_cli_args(model=str(model_dirs["dense"]), decode_concurrency=4)
+    provider = ModelProvider(args)
+    response_generator = ResponseGenerator(provider, LRUPromptCache())
+    assert provider.is_batchable and provider.model_key == (str(model_dirs["dense"]), None, None)
+    httpd, thread = serve(response_generator, ThreadingHTTPServer)
+    try:
+        questions = [[{"role": "user", "content": f"Question {i}?"}] for i in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda m: client(httpd).chat.completions.create(
+                model="default_model", messages=m, temperature=0).choices[0].message.content, questions))
+        assert answers == [reference(model_dirs["dense"], messages=m) for m in questions]
+        assert response_generator.prompt_cache.nbytes > 0  # the cache given is the one used
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+        response_generator.stop_and_join()
+    assert not response_generator.generation_available()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("adapter_path", "adapters", "fuse them"), ("kv_bits", 4, "unquantized"),
+    ("trust_remote_code", True, "no code"), ("model", None, "must name the model"),
+    ("decode_concurrency", 0, "positive integer"), ("allowed_origins", 5, "allowed_origins"),
+])
+def test_options_it_cannot_honour_are_refused_before_loading(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        ModelProvider(upstream_cli_args(**{"model": "never-loaded", option: value}))
+
+
+def test_a_provider_of_another_kind_is_refused():
+    with pytest.raises(TypeError, match="ModelProvider"):
+        ResponseGenerator(object(), LRUPromptCache())
+
+
+def test_sampling_arguments_make_upstreams_sampler(model_dirs):
+    import mlx.core as mx
+
+    tokenizer = load(str(model_dirs["dense"]))[1]
+    sampling = SamplingArguments(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, xtc_probability=0.0,
+                                 xtc_threshold=0.1)
+    logprobs = mx.log(mx.array([[0.1, 0.6, 0.3]]))
+    assert sampling.make_sampler(tokenizer)(logprobs).item() == 1
