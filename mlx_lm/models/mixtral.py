@@ -35,6 +35,12 @@ Weights = Dict[str, mx.array]
 HUB_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+def check_top_k(num_experts_per_tok: int, num_experts: int, name: str = "num_local_experts") -> None:
+    """Each token picks 1..E experts, else a ValueError naming both values."""
+    if not 0 < num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) must be in 1..{name} ({num_experts})")
+
+
 @dataclass
 class ModelArgs(llama.ModelArgs):
     """MixtralConfig's keys (llama's plus the experts'), with its defaults."""
@@ -45,11 +51,7 @@ class ModelArgs(llama.ModelArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_local_experts "
-                f"({self.num_local_experts})"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_local_experts)
 
     def _set_layer_types(self):
         # Every layer slides when the config names a window (transformers' rule).
@@ -104,7 +106,9 @@ def stack_experts(weights: Weights, names: Dict[str, str]) -> Weights:
             out[key] = value
     for (block, proj), experts in groups.items():
         if sorted(experts) != list(range(len(experts))):
-            raise ValueError(f"{block}.experts has {proj} for experts {sorted(experts)}; expected 0..{len(experts) - 1}")
+            raise ValueError(
+                f"{block}.experts has {proj} for experts {sorted(experts)}; expected 0..{len(experts) - 1}"
+            )
         out[f"{block}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in range(len(experts))])
     return out
 

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from . import llama, olmo3, sharding
 from .llama import FULL
+from .mixtral import check_top_k
 from .qwen3_moe import SparseMoeBlock
 from .qwen3_next import quant_predicate, split_fused_experts, stack_expert_weights
 
@@ -49,10 +50,7 @@ class ModelArgs(llama.ModelArgs):
             # transformers sizes q_norm by hidden_size, so the heads must tile it.
             raise ValueError(f"head_dim ({self.head_dim}) x num_attention_heads ({self.num_attention_heads}) "
                              f"must equal hidden_size ({self.hidden_size}) for olmoe")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
-            )
+        check_top_k(self.num_experts_per_tok, self.num_experts, "num_experts")
         self.rope = {FULL: (self.rope_theta, self.rope_scaling)}  # what olmo3.Attention reads
 
     @property
