@@ -473,12 +473,13 @@ class ResponseBuilder:
     worker renders another model's prompt, so it is asked for at the first text)."""
 
     def __init__(self, request: GenerationRequest, model_name: str,
-                 plan: Callable[[], Optional[ChatPlan]] = lambda: None):
+                 plan: Callable[[], Optional[ChatPlan]] = lambda: None, *,
+                 system_fingerprint: str = SYSTEM_FINGERPRINT):
         self.chat = request.kind == "chat"
         self.stream = request.stream
         self.logprobs = request.logprobs
         self.header = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4()}", "created": int(time.time()),
-                       "model": model_name, "system_fingerprint": SYSTEM_FINGERPRINT}
+                       "model": model_name, "system_fingerprint": system_fingerprint}
         self.chunk_header = {**self.header, "object": "chat.completion.chunk" if self.chat else "text_completion"}
         self.text_offset = 0
         self._plan = plan

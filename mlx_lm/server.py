@@ -73,6 +73,7 @@ from .openai_api import (
     MAX_TOKENS_LIMIT,
     RequestError,
     ResponseBuilder,
+    SYSTEM_FINGERPRINT,
     ServerDefaults,
     error_body,
     parse_request,
@@ -328,7 +329,8 @@ class APIHandler(BaseHTTPRequestHandler):
     def __init__(self, *args: Any, system_fingerprint: Optional[str] = None, **kwargs: Any):
         """APIServer's form, (request, client_address, server), or upstream's embedding
         form with a ResponseGenerator first, served by a stock http.server server
-        (server_embedding.py; system_fingerprint is accepted for upstream's signature)."""
+        (server_embedding.py), whose system_fingerprint replaces this project's in answers."""
+        self.system_fingerprint = system_fingerprint or SYSTEM_FINGERPRINT  # set before super() serves
         if len(args) == 4:  # BaseRequestHandler takes three
             args = server_embedding.split_handler_args(args)
             self.protocol_version = "HTTP/1.0"  # one request per connection, as upstream's handler
@@ -535,7 +537,7 @@ class APIHandler(BaseHTTPRequestHandler):
             raise
         self.server.worker.submit(job)
         name = self.server.provider.model_id if job.model_key is None else model_id(job.model_key)
-        builder = ResponseBuilder(request, name, lambda: job.chat_plan)
+        builder = ResponseBuilder(request, name, lambda: job.chat_plan, system_fingerprint=self.system_fingerprint)
         self._last_probe = -math.inf
         try:
             if request.stream:

@@ -6,6 +6,7 @@ the worker speculate), and the hardening limits must hold through the adapters."
 import argparse
 import http.client
 import json
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from http.server import HTTPServer, ThreadingHTTPServer
@@ -13,8 +14,8 @@ from http.server import HTTPServer, ThreadingHTTPServer
 import openai
 import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
+from test_server import reference as plain_reference
 
-from mlx_lm.generate import generate
 from mlx_lm.openai_api import MAX_BODY_BYTES
 from mlx_lm.server import APIHandler, LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments
 from mlx_lm.server import ToolCallFormatter  # noqa: F401  (upstream's import list, all of it)
@@ -43,9 +44,10 @@ def model_dirs(tmp_path_factory):
             "draft": write_checkpoint(root / "draft", TINY_CONFIGS["qwen3"], scale=0.45)}
 
 
-def serve(response_generator, server_class):
+def serve(response_generator, server_class, **handler_kwargs):
     """Upstream's embedding, line for line: a stock server on a free port, in a thread."""
-    httpd = server_class(("localhost", 0), lambda *args, **kwargs: APIHandler(response_generator, *args, **kwargs))
+    httpd = server_class(("localhost", 0), lambda *args, **kwargs: APIHandler(response_generator, *args,
+                                                                              **handler_kwargs, **kwargs))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     return httpd, thread
@@ -79,20 +81,9 @@ def raw(httpd, body, headers=None):
     return response.status, json.loads(data)
 
 
-_loaded = {}
-
-
 def reference(model_dir, messages=None, prompt=None):
     """Plain greedy generation in this process, from an empty cache."""
-    if model_dir not in _loaded:
-        _loaded[model_dir] = load(str(model_dir))
-    model, tokenizer = _loaded[model_dir]
-    if messages is not None:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        tokens = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        tokens = tokenizer.encode(prompt)
-    return generate(model, tokenizer, tokens, max_tokens=MAX_TOKENS)
+    return plain_reference(model_dir, messages, prompt, max_tokens=MAX_TOKENS)
 
 
 def test_chat_and_text_equal_plain_generation_streamed_or_not(embedded, model_dirs):
@@ -124,18 +115,25 @@ def test_malformed_and_oversized_requests_are_refused_and_the_server_goes_on(emb
     assert status == 200 and body["choices"][0]["message"]["content"] == reference(model_dirs["dense"], MESSAGES)
 
 
-def test_threading_server_batches_concurrent_requests(model_dirs):
-    args = upstream_cli_args(model=str(model_dirs["dense"]), decode_concurrency=4)
+def test_threading_server_batches_concurrent_requests_within_deadlines(model_dirs):
+    # request_timeout: this project's own option, read from the same namespace.
+    args = upstream_cli_args(model=str(model_dirs["dense"]), decode_concurrency=4, request_timeout=1.0)
     provider = ModelProvider(args)
     response_generator = ResponseGenerator(provider, LRUPromptCache())
     assert provider.is_batchable and provider.model_key == (str(model_dirs["dense"]), None, None)
-    httpd, thread = serve(response_generator, ThreadingHTTPServer)
+    httpd, thread = serve(response_generator, ThreadingHTTPServer, system_fingerprint="fp-embedded")
     try:
         questions = [[{"role": "user", "content": f"Question {i}?"}] for i in range(3)]
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda m: client(httpd).chat.completions.create(
-                model="default_model", messages=m, temperature=0).choices[0].message.content, questions))
-        assert answers == [reference(model_dirs["dense"], messages=m) for m in questions]
+                model="default_model", messages=m, temperature=0), questions))
+        assert [a.choices[0].message.content for a in answers] == [
+            reference(model_dirs["dense"], messages=m) for m in questions]
+        assert {a.system_fingerprint for a in answers} == {"fp-embedded"}
+        with socket.create_connection(("localhost", httpd.server_port)) as slow:
+            slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+            slow.settimeout(10)
+            assert slow.recv(4096).startswith(b"HTTP/1.0 408")
         assert response_generator.prompt_cache.nbytes > 0  # the cache given is the one used
     finally:
         httpd.shutdown()
