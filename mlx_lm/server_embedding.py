@@ -22,7 +22,9 @@ What differs from upstream, on purpose:
   a request names.
 - Options this worker cannot honour are refused with ValueError (`adapter_path`,
   `trust_remote_code`, `use_default_chat_template`, `kv_bits`); `prompt_concurrency`
-  has no equivalent (prompts are prefilled one step at a time between decode steps).
+  has no equivalent in this worker's batch and is not read.
+- An unbounded prompt cache (`LRUPromptCache()`'s 2**63 bytes) is bounded by
+  `prompt_cache_bytes`, or else by this project's default share of the free memory.
 - The stock HTTP server decides how many connections run at once: `max_connections`
   applies only to `mlx_lm.server`'s own APIServer. Each embedded connection answers one
   request and closes, as upstream's handler (HTTP/1.0) does, so a keep-alive client
@@ -35,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import distributed
 from .lru_prompt_cache import LRUPromptCache
-from .openai_api import ServerDefaults
+from .openai_api import RequestError, ServerDefaults, parse_request
 from .sample_utils import make_sampler
 from .serving import BatchWorker, GenerationWorker, ModelProvider as ServingModelProvider
 from .serving import default_prompt_cache_bytes
@@ -43,13 +45,16 @@ from .serving import default_prompt_cache_bytes
 __all__ = ["LRUPromptCache", "ModelProvider", "ResponseGenerator", "SamplingArguments"]
 
 # What upstream's `mlx_lm.server` parser gives an option the namespace lacks (code that
-# builds its own Namespace often sets only a few), and this project's own options.
+# builds its own Namespace often sets only a few), and this project's own options. Not
+# read: host, port, log_level (the embedding code's own), prompt_concurrency (no
+# equivalent), kv_group_size and quantized_kv_start (only with kv_bits), pipeline
+# (only under mlx.launch, which an embedded server refuses).
 UPSTREAM_DEFAULTS: Dict[str, Any] = {
     "model": None, "adapter_path": None, "draft_model": None, "num_draft_tokens": 3,
     "trust_remote_code": False, "chat_template": "", "use_default_chat_template": False,
     "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 512, "chat_template_args": {},
-    "allowed_origins": "*", "decode_concurrency": 32, "prompt_concurrency": 8, "prefill_step_size": 2048,
-    "prompt_cache_size": 10, "prompt_cache_bytes": None, "kv_bits": None, "pipeline": False,
+    "allowed_origins": "*", "decode_concurrency": 32, "prefill_step_size": 2048,
+    "prompt_cache_size": 10, "prompt_cache_bytes": None, "kv_bits": None,
 }
 PROJECT_DEFAULTS: Dict[str, Any] = {
     "allow_other_models": False, "max_prompt_tokens": None, "request_timeout": 30.0, "dtype": None,
@@ -122,6 +127,11 @@ class EmbeddingSettings:
                                   temperature=_option(cli_args, "temp"), top_p=_option(cli_args, "top_p"),
                                   top_k=_option(cli_args, "top_k"), min_p=_option(cli_args, "min_p"),
                                   chat_template_args=template_args)
+        try:  # a request that sets nothing gets every default, checked as a request's own values
+            parse_request({"prompt": "defaults"}, "text", defaults)
+        except RequestError as e:
+            raise ValueError(f"a default in cli_args (temp, top_p, top_k, min_p, max_tokens) is out of range: "
+                             f"{e.message}") from None
         project = {name: _option(cli_args, name) for name in PROJECT_DEFAULTS}
         return cls(model=_option(cli_args, "model"), draft_model=_option(cli_args, "draft_model"),
                    chat_template=_option(cli_args, "chat_template") or None, defaults=defaults,

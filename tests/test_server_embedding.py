@@ -147,6 +147,7 @@ def test_threading_server_batches_concurrent_requests_within_deadlines(model_dir
     ("adapter_path", "adapters", "fuse them"), ("kv_bits", 4, "unquantized"),
     ("trust_remote_code", True, "no code"), ("model", None, "must name the model"),
     ("decode_concurrency", 0, "positive integer"), ("allowed_origins", 5, "allowed_origins"),
+    ("temp", -1.0, "temperature"), ("top_p", 2.0, "top_p"),
 ])
 def test_options_it_cannot_honour_are_refused_before_loading(option, value, message):
     with pytest.raises(ValueError, match=message):
