@@ -81,7 +81,7 @@ from .openai_api import (
 from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
 from . import server_embedding
 # Upstream's embedding API, for `from mlx_lm.server import ...` (server_embedding.py).
-from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments  # noqa: F401
+from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments, run  # noqa: F401
 from .utils import compute_dtype, parameter_dtypes
 from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .fast_blas import blas_line

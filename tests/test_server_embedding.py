@@ -8,6 +8,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import HTTPServer, ThreadingHTTPServer
 
@@ -17,7 +18,7 @@ from checkpoints import TINY_CONFIGS, write_checkpoint
 from test_server import reference as plain_reference
 
 from mlx_lm.openai_api import MAX_BODY_BYTES
-from mlx_lm.server import APIHandler, LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments
+from mlx_lm.server import APIHandler, LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments, run
 from mlx_lm.server import ToolCallFormatter  # noqa: F401  (upstream's import list, all of it)
 from mlx_lm.utils import load
 
@@ -141,6 +142,29 @@ def test_threading_server_batches_concurrent_requests_within_deadlines(model_dir
         thread.join()
         response_generator.stop_and_join()
     assert not response_generator.generation_available()
+
+
+def test_run_serves_until_the_server_shuts_down(model_dirs):
+    started = []
+
+    class RecordingServer(ThreadingHTTPServer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    provider = ModelProvider(upstream_cli_args(model=str(model_dirs["dense"])))
+    thread = threading.Thread(target=run, args=("localhost", 0, provider, RecordingServer), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    httpd = started[0]
+    prompt = "Once upon a time there was"
+    text = client(httpd).completions.create(model="default_model", prompt=prompt, temperature=0)
+    assert text.choices[0].text == reference(model_dirs["dense"], prompt=prompt)
+    httpd.shutdown()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
 
 
 @pytest.mark.parametrize("option, value, message", [
