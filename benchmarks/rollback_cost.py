@@ -1,13 +1,16 @@
 """What an exact speculative rollback of recurrent layers costs, three ways, in one run:
-Gated DeltaNet layers at Qwen3-Next sizes, Mamba-2 layers at Nemotron-H sizes,
-RG-LRU blocks at RecurrentGemma-2B sizes and Mamba-1 layers at mamba-130m sizes.
+Gated DeltaNet layers at Qwen3-Next sizes, KDA layers at Kimi-Linear-48B sizes, Mamba-2
+layers at Nemotron-H sizes, RG-LRU blocks at RecurrentGemma-2B sizes and Mamba-1 layers at
+mamba-130m sizes.
 
     python benchmarks/rollback_cost.py [--blas auto|openblas|reference] [--repeats 9]
-                                       [--families gdn,mamba2,rg_lru,mamba1]
+                                       [--families gdn,kda,mamba2,rg_lru,mamba1]
 
 Each family is a model of recurrent layers only, random weights, fp32:
 - gdn: qwen3_next, 3 linear-attention layers (hidden 2048, 16 key heads, 32 value
   heads, head dims 128, conv kernel 4; a small dense MLP so the GDN layers dominate);
+- kda: kimi_linear, 3 KDA layers (hidden 2304, 32 heads of dim 128 for q, k and v,
+  conv kernel 4; a small dense MLP);
 - mamba2: nemotron_h, 2 Mamba-2 blocks at Nemotron-H 8B sizes (hidden 4096, 128 heads
   of dim 64, state 128, 8 groups, conv kernel 4);
 - rg_lru: recurrent_gemma, 2 recurrent blocks at RecurrentGemma-2B sizes (hidden and
@@ -53,6 +56,17 @@ FAMILIES = {
             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
             linear_conv_kernel_dim=4,
         ),
+    ),
+    "kda": dict(
+        title="Kimi Delta Attention (per-channel decay), Kimi-Linear-48B-A3B sizes",
+        config=dict(
+            model_type="kimi_linear", hidden_size=2304, num_hidden_layers=3, layer_types=["linear_attention"] * 3,
+            mlp_layer_types=["dense"] * 3, intermediate_size=512, num_attention_heads=32, vocab_size=1024,
+            linear_num_heads=32, linear_head_dim=128, linear_conv_kernel_dim=4,
+        ),
+        note="KDA's decay is a vector per head and token (128 floats, where GDN's is one), so a record "
+             "holds g as large as k; the replay chunk builds a (C, C, 128) decay per head. The state is "
+             "GDN's (32 x 128 x 128 floats, 2 MiB a layer).",
     ),
     "mamba2": dict(
         title="Mamba-2, Nemotron-H 8B sizes",
