@@ -58,11 +58,14 @@ class ModelArgs(llama.ModelArgs):
 
 
 class Attention(llama.Attention):
-    """llama's attention with rope on the first rotary_dims features, pairs interleaved."""
+    """llama's attention with rope on the first rotary_dims features, pairs interleaved
+    (`traditional`; glm4_moe's pairs are the two halves instead)."""
+
+    traditional = True
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.rope = initialize_rope(args.rotary_dims, args.rope_theta, True, args.rope_scaling,
+        self.rope = initialize_rope(args.rotary_dims, args.rope_theta, self.traditional, args.rope_scaling,
                                     args.max_position_embeddings)
 
 
