@@ -37,7 +37,7 @@ setup(
         "cpu": [f"mlx[cpu]>={MIN_MLX_VERSION}", 'mkl>=2024; platform_system == "Linux" and platform_machine == "x86_64"'],
         "cuda12": [f"mlx[cuda12]>={MIN_MLX_VERSION}"],
         "cuda13": [f"mlx[cuda13]>={MIN_MLX_VERSION}"],
-        "test": ["pytest", "tokenizers", "safetensors", "openai"],
+        "test": ["pytest", "pytest-xdist", "tokenizers", "safetensors", "openai"],
     },
     entry_points={
         "console_scripts": [
