@@ -35,10 +35,11 @@ Weights = Dict[str, mx.array]
 HUB_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def check_top_k(num_experts_per_tok: int, num_experts: int, name: str = "num_local_experts") -> None:
-    """Each token picks 1..E experts, else a ValueError naming both values."""
+def check_top_k(num_experts_per_tok: int, num_experts: int, name: str = "num_local_experts",
+                top_k_name: str = "num_experts_per_tok") -> None:
+    """Each token picks 1..E experts, else a ValueError naming both fields and values."""
     if not 0 < num_experts_per_tok <= num_experts:
-        raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) must be in 1..{name} ({num_experts})")
+        raise ValueError(f"{top_k_name} ({num_experts_per_tok}) must be in 1..{name} ({num_experts})")
 
 
 @dataclass
