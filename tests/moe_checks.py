@@ -1,6 +1,6 @@
 """Checks the MoE test modules of issue 34 share beyond family_checks.py (test_qwen2_moe,
-test_mixtral, test_phimoe, test_olmoe, test_granitemoe, test_glm4_moe): a naive
-per-token, per-expert loop to hold a MoE block against, and sanitize on the three
+test_mixtral, test_phimoe, test_olmoe, test_granitemoe, test_glm4_moe, test_ernie4_5_moe,
+test_dots1): a naive per-token, per-expert loop to hold a MoE block against, and sanitize on the three
 layouts (transformers' saved per-expert one, transformers 5's fused in-memory one, the
 MLX-converted one)."""
 
@@ -54,6 +54,25 @@ def softmax_top_k(router: mx.array, k: int, normalize: bool) -> Callable[[np.nda
     return choose
 
 
+def sigmoid_group_top_k(router: mx.array, bias: mx.array, args) -> Callable[[np.ndarray], List[Tuple[int, float]]]:
+    """DeepSeek-V3's router as transformers writes it (glm4_moe, dots1), for naive_moe:
+    sigmoid scores; groups ranked by their two best biased scores, `topk_group` of
+    `n_group` kept; the best biased experts there, weighted by their unbiased scores
+    (renormalised with `norm_topk_prob`) times `routed_scaling_factor`."""
+    weight, bias = np.array(router, dtype=np.float64), np.array(bias, dtype=np.float64)
+
+    def choose(x: np.ndarray) -> List[Tuple[int, float]]:
+        scores = 1 / (1 + np.exp(-(weight @ x)))
+        biased = (scores + bias).reshape(args.n_group, -1)
+        group_scores = np.sort(biased, axis=-1)[:, -2:].sum(-1) if biased.shape[1] > 1 else biased[:, 0]
+        biased[np.argsort(-group_scores)[args.topk_group:]] = -np.inf  # the groups not kept
+        best = np.argsort(-biased.reshape(-1))[: args.num_experts_per_tok]
+        w = scores[best] / (scores[best].sum() + 1e-20 if args.norm_topk_prob else 1.0)
+        return list(zip(best, w * args.routed_scaling_factor))
+
+    return choose
+
+
 def assert_block_equals_naive(block, choose, dims: int, shared=None) -> None:
     """`block` (its experts in `block.switch_mlp`) on random (2, 5, dims) inputs equals
     naive_moe with `choose`, plus `shared(token)` (float64) when given, to 1e-5."""
@@ -65,6 +84,15 @@ def assert_block_equals_naive(block, choose, dims: int, shared=None) -> None:
         for b, t in np.ndindex(2, 5):
             want[b, t] += shared(xs[b, t])
     assert relative(block(x), want) < 1e-5
+
+
+def assert_shared_moe_equals_naive(block, args) -> None:
+    """The routed experts (sigmoid_group_top_k) plus the shared SwiGLU."""
+    shared = block.shared_experts
+    weights = [np.array(w, dtype=np.float64) for w in (shared.gate_proj.weight, shared.up_proj.weight,
+                                                        shared.down_proj.weight)]
+    choose = sigmoid_group_top_k(block.gate.weight, block.gate.e_score_correction_bias, args)
+    assert_block_equals_naive(block, choose, 64, shared=lambda x: np_swiglu(x, *weights))
 
 
 def relative(got: mx.array, want: np.ndarray) -> float:

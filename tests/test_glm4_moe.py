@@ -11,11 +11,10 @@ glm4_moe_tf5 (as transformers 5 saves it, every layer MoE, one group, tied).
 """
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from checkpoints import VOCAB_SIZE
 from family_checks import FIXTURES, Family, FamilyChecks, fixture_model, reference, relative_error
-from moe_checks import assert_block_equals_naive, assert_sanitize_layouts, fused_mlp_experts, np_swiglu
+from moe_checks import assert_sanitize_layouts, assert_shared_moe_equals_naive, fused_mlp_experts
 from sliding_checks import assert_override_matters
 
 from mlx_lm.models.glm4_moe import ModelArgs, MoE
@@ -42,23 +41,7 @@ class TestGlm4Moe(FamilyChecks):
 @pytest.mark.parametrize("name", FAMILY.fixtures)
 def test_moe_block_equals_a_naive_loop(name):
     model = fixture_model(name)
-    a, block = model.args, model.layers[1].mlp
-    router = np.array(block.gate.weight, dtype=np.float64)
-    bias = np.array(block.gate.e_score_correction_bias, dtype=np.float64)
-
-    def choose(x):
-        scores = 1 / (1 + np.exp(-(router @ x)))
-        biased = (scores + bias).reshape(a.n_group, -1)
-        group_scores = np.sort(biased, axis=-1)[:, -2:].sum(-1) if biased.shape[1] > 1 else biased[:, 0]
-        biased[np.argsort(-group_scores)[a.topk_group:]] = -np.inf  # groups not kept
-        best = np.argsort(-biased.reshape(-1))[: a.num_experts_per_tok]
-        w = scores[best] / (scores[best].sum() + 1e-20 if a.norm_topk_prob else 1.0)
-        return list(zip(best, w * a.routed_scaling_factor))
-
-    shared = block.shared_experts
-    weights = [np.array(w, dtype=np.float64) for w in (shared.gate_proj.weight, shared.up_proj.weight,
-                                                        shared.down_proj.weight)]
-    assert_block_equals_naive(block, choose, 64, shared=lambda x: np_swiglu(x, *weights))
+    assert_shared_moe_equals_naive(model.layers[1].mlp, model.args)
 
 
 def test_dense_and_moe_layers_follow_first_k_dense_replace():

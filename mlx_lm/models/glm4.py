@@ -46,11 +46,12 @@ class ModelArgs(llama.ModelArgs):
     partial_rotary_factor: Optional[float] = None  # transformers 4; 5 puts it in rope_parameters
 
     o_bias = False
+    default_partial_rotary_factor = DEFAULT_PARTIAL_ROTARY_FACTOR  # what a config naming none gets
 
     def __post_init__(self):
         super().__post_init__()
         self.partial_rotary_factor = resolve_partial_rotary(
-            self.partial_rotary_factor, self.rope_parameters, DEFAULT_PARTIAL_ROTARY_FACTOR)
+            self.partial_rotary_factor, self.rope_parameters, self.default_partial_rotary_factor)
 
     @property
     def rotary_dims(self) -> int:

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import glm4, llama, sharding
-from .llama import FULL, MLP
+from .llama import MLP
 from .mixtral import check_top_k
 from .nemotron_h import TopkRouter, route
 from .qwen3_next import split_fused_experts, stack_expert_weights
@@ -101,7 +101,7 @@ class MoE(nn.Module):
 
 class DecoderLayer(llama.TransformerBlock):
     def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__(args, FULL)
+        super().__init__(args, args.layer_types[layer_idx])
         self.self_attn = Attention(args)
         if layer_idx >= args.first_k_dense_replace:
             self.mlp = MoE(args)
