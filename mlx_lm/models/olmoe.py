@@ -72,6 +72,14 @@ class OlmoeModel(llama.LlamaModel):
     block_class = DecoderLayer
 
 
+def shard_projection_norms(attn: nn.Module, group: mx.distributed.Group) -> None:
+    """An attention's whole-projection q/k norms after its heads are sharded: each rank
+    keeps the weights of its own features and sums the squares with the others."""
+    for norm in (attn.q_norm, attn.k_norm):
+        norm.weight = sharding.take_shard(norm.weight, group)
+        norm.group = group
+
+
 class Model(llama.Model):
     # KV caches roll back by themselves; the layers record nothing.
     supports_speculative_rollback = True
@@ -90,9 +98,7 @@ class Model(llama.Model):
         for layer in self.layers:
             attn = layer.self_attn
             attn.n_heads, attn.n_kv_heads = sharding.shard_attention(attn, attn.n_heads, attn.n_kv_heads, group)
-            for norm in (attn.q_norm, attn.k_norm):
-                norm.weight = sharding.take_shard(norm.weight, group)
-                norm.group = group
+            shard_projection_norms(attn, group)
             sharding.shard_moe(layer.mlp, layer.mlp.switch_mlp, group)
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:
