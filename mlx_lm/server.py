@@ -48,11 +48,10 @@ import re
 import select
 import socket
 import sys
-import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 from urllib.parse import unquote
 
 import mlx.core as mx
@@ -79,9 +78,10 @@ from .openai_api import (
     parse_request,
 )
 from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
+from .connection_slots import ConnectionSlot, ConnectionSlots, Evicted
 from . import server_embedding
 # Upstream's embedding API, for `from mlx_lm.server import ...` (server_embedding.py).
-from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments, run  # noqa: F401
+from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments  # noqa: F401
 from .utils import compute_dtype, parameter_dtypes
 from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .fast_blas import blas_line
@@ -103,80 +103,8 @@ log = logging.getLogger("mlx_lm.server")
 # Connection slots.
 
 
-class _Evicted(Exception):
-    """In a handler whose waiting connection gave its slot to a newer one."""
-
-
 class _RequestLate(Exception):
     """A request line and headers not all there by the connection's deadline."""
-
-
-class ConnectionSlot:
-    """One open connection. `waiting_since`: when it began waiting for its next request
-    (accepted, or its last answer sent); None while a request is served."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.waiting_since: Optional[float] = time.monotonic()
-        self.evicted = False
-
-
-class ConnectionSlots:
-    """At most `limit` connections held at once. One waiting for a request holds its
-    slot only until a new connection needs it: at the limit the one waiting longest is
-    shut down, which ends its thread's read. Only if every connection is being served
-    is a new one refused. Admission runs on the accepting thread, the rest on handlers."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._open: Dict[socket.socket, ConnectionSlot] = {}  # evicted ones too, until their threads end
-        self._num_held = 0  # the open ones not evicted
-
-    def admit(self, sock: socket.socket) -> bool:
-        with self._lock:
-            if self._num_held >= self.limit:
-                waiting = [slot for slot in self._open.values() if slot.waiting_since is not None and not slot.evicted]
-                if not waiting:
-                    return False
-                self._evict(min(waiting, key=lambda slot: slot.waiting_since))
-            self._open[sock] = ConnectionSlot(sock)
-            self._num_held += 1
-            return True
-
-    def _evict(self, slot: ConnectionSlot) -> None:
-        slot.evicted = True
-        self._num_held -= 1
-        log.debug("At --max-connections (%d): closing a connection idle for %.1f s to make room", self.limit,
-                  time.monotonic() - slot.waiting_since)
-        try:
-            slot.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # already closed by its peer or its thread
-            pass
-
-    def slot(self, sock: socket.socket) -> ConnectionSlot:
-        with self._lock:
-            return self._open[sock]
-
-    def wait_for_request(self, slot: ConnectionSlot) -> float:
-        """Since when `slot` has waited for its next request."""
-        with self._lock:
-            if slot.waiting_since is None:
-                slot.waiting_since = time.monotonic()
-            return slot.waiting_since
-
-    def serve(self, slot: ConnectionSlot) -> None:
-        """Its request's headers are in: from now on it cannot be evicted."""
-        with self._lock:
-            if slot.evicted:  # the headers completed as its slot was given away
-                raise _Evicted()
-            slot.waiting_since = None
-
-    def release(self, sock: socket.socket) -> None:
-        with self._lock:
-            slot = self._open.pop(sock, None)
-            if slot is not None and not slot.evicted:
-                self._num_held -= 1
 
 
 class _RequestReader(io.RawIOBase):
@@ -197,7 +125,7 @@ class _RequestReader(io.RawIOBase):
         if self.deadline is None:
             return self._sock.recv_into(buffer)
         if self._slot.evicted:
-            raise _Evicted()
+            raise Evicted()
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise _RequestLate()
@@ -209,7 +137,7 @@ class _RequestReader(io.RawIOBase):
         finally:
             self._sock.settimeout(self._timeout)
         if self._slot.evicted:  # its end of input came from the eviction, not the peer
-            raise _Evicted()
+            raise Evicted()
         self.received += count
         return count
 
@@ -356,7 +284,7 @@ class APIHandler(BaseHTTPRequestHandler):
         self._reader.received = 0
         try:
             super().handle_one_request()
-        except _Evicted:
+        except Evicted:
             self.close_connection = True
         except _RequestLate:
             self.close_connection = True
@@ -737,6 +665,13 @@ def make_provider(args: argparse.Namespace, group: mx.distributed.Group) -> Serv
     return ServingModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
                                 args.prompt_cache_bytes, args.chat_template or None, args.max_prompt_tokens,
                                 args.dtype, mtp=args.mtp, group=group)
+
+
+def run(host: str, port: int, model_provider: ModelProvider, server_class: type = ThreadingHTTPServer,
+        handler_class: type = APIHandler) -> None:
+    """Upstream's `run`: serve `model_provider`'s model on host:port with a stock server
+    class until interrupted (server_embedding.serve)."""
+    server_embedding.serve(host, port, model_provider, server_class, handler_class)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

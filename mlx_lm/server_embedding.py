@@ -35,17 +35,17 @@ import argparse
 import logging
 import socket
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import distributed
+from .connection_slots import ConnectionSlots
 from .lru_prompt_cache import LRUPromptCache
 from .openai_api import RequestError, ServerDefaults, parse_request
 from .sample_utils import make_sampler
 from .serving import BatchWorker, GenerationWorker, ModelProvider as ServingModelProvider
 from .serving import default_prompt_cache_bytes
 
-__all__ = ["LRUPromptCache", "ModelProvider", "ResponseGenerator", "SamplingArguments", "run"]
+__all__ = ["LRUPromptCache", "ModelProvider", "ResponseGenerator", "SamplingArguments", "serve"]
 
 log = logging.getLogger("mlx_lm.server")
 
@@ -298,8 +298,6 @@ class EmbeddedServer:
     else is the stock server's own (handlers subclassed by upstream code may read it)."""
 
     def __init__(self, server: Any, connection: Any, generator: ResponseGenerator):
-        from .server import ConnectionSlots  # here: server.py imports this module
-
         settings = generator.model_provider.settings
         self.stock_server = server
         self.provider = generator.model_provider.models
@@ -315,14 +313,10 @@ class EmbeddedServer:
         return getattr(self.stock_server, name)
 
 
-def run(host: str, port: int, model_provider: ModelProvider, server_class: type = ThreadingHTTPServer,
-        handler_class: Optional[type] = None) -> None:
-    """Upstream's `run`: serve `model_provider`'s model on host:port until interrupted
-    (or the server is shut down), then stop the worker. `handler_class` (default
-    mlx_lm.server.APIHandler) is built upstream's way, with the ResponseGenerator first."""
-    if handler_class is None:
-        from .server import APIHandler as handler_class  # here: server.py imports this module
-
+def serve(host: str, port: int, model_provider: ModelProvider, server_class: type, handler_class: type) -> None:
+    """What upstream's `mlx_lm.server.run` does: serve `model_provider`'s model on
+    host:port until interrupted (or the server is shut down), then stop the worker;
+    `handler_class` is built upstream's way, with the ResponseGenerator first."""
     response_generator = ResponseGenerator(model_provider, LRUPromptCache(model_provider.settings.prompt_cache_size))
     # The address family of what the host resolves to: an IPv6 host binds IPv6.
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
