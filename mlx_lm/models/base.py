@@ -2,7 +2,7 @@
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -95,6 +95,19 @@ def create_attention_mask(h: mx.array, cache=None, window_size: Optional[int] = 
     if return_array or (window_size is not None and num_queries > window_size):
         return create_causal_mask(num_queries, window_size=window_size)
     return "causal"
+
+
+def run_hybrid_layers(h: mx.array, layers: Sequence[Any], cache: Optional[List[Any]],
+                      mask_layer: Optional[int]) -> mx.array:
+    """(B, L, D) through `layers`, layer i with cache[i] (None: no caches). The
+    attention layers share one mask, made from the cache of layer `mask_layer` (the
+    first attention layer; None: there is none); recurrent layers ignore it."""
+    if cache is None:
+        cache = [None] * len(layers)
+    mask = None if mask_layer is None else create_attention_mask(h, cache[mask_layer])
+    for layer, layer_cache in zip(layers, cache):
+        h = layer(h, mask, layer_cache)
+    return h
 
 
 def create_ssm_mask(h: mx.array, cache=None) -> Optional[mx.array]:

@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import sharding
-from .base import BaseModelArgs, check_layer_types, create_attention_mask
+from .base import BaseModelArgs, check_layer_types, run_hybrid_layers
 from .cache import ArraysCache, KVCache, QuantizedKVCache
 from .gated_delta import compute_beta, compute_kda_g, kda_recurrence, kda_replay
 from .llama import MLP
@@ -419,14 +419,7 @@ class KimiLinearModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = None
-        if self.first_attention_layer is not None:
-            mask = create_attention_mask(h, cache[self.first_attention_layer])
-        for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, mask, layer_cache)
-        return self.norm(h)
+        return self.norm(run_hybrid_layers(h, self.layers, cache, self.first_attention_layer))
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")

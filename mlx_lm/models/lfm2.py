@@ -30,9 +30,9 @@ import mlx.nn as nn
 from . import sharding
 from .base import (
     BaseModelArgs,
+    run_hybrid_layers,
     check_head_grouping,
     check_layer_types,
-    create_attention_mask,
     scaled_dot_product_attention,
 )
 from .cache import ArraysCache, KVCache
@@ -284,14 +284,7 @@ class Lfm2Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = None
-        if self.first_attention_layer is not None:
-            mask = create_attention_mask(h, cache[self.first_attention_layer])
-        for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, mask, layer_cache)
-        return self.embedding_norm(h)
+        return self.embedding_norm(run_hybrid_layers(h, self.layers, cache, self.first_attention_layer))
 
 
 def sanitize_weights(weights: Dict[str, mx.array], tie_word_embeddings: bool) -> Dict[str, mx.array]:

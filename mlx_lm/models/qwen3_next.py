@@ -35,6 +35,7 @@ import mlx.nn as nn
 
 from .base import (
     BaseModelArgs,
+    run_hybrid_layers,
     check_head_grouping,
     check_layer_types,
     create_attention_mask,
@@ -403,14 +404,7 @@ class TextModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = None
-        if self.first_attention_layer is not None:
-            mask = create_attention_mask(h, cache[self.first_attention_layer])
-        for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, mask, layer_cache)
-        return self.norm(h)
+        return self.norm(run_hybrid_layers(h, self.layers, cache, self.first_attention_layer))
 
 
 class MultiTokenPredictor(nn.Module):
