@@ -26,9 +26,9 @@ from mlx_lm.models.gemma4_text import (
     ConditionalGeneration,
     LanguageModel,
     ModelArgs,
-    ProportionalRoPE,
     Router,
     TextModelArgs,
+    layer_rope,
     unfuse_experts,
 )
 
@@ -72,10 +72,10 @@ def naive_proportional_rope(x, offset, head_dim, base, partial):
 
 
 @pytest.mark.parametrize("partial", [0.25, 0.5, 1.0])
-def test_proportional_rope_matches_the_formula(partial):
+def test_layer_rope_matches_transformers_formula(partial):
     x = mx.random.normal((1, 2, 7, 32), key=mx.random.key(0))
     for offset in (0, 13):
-        got = ProportionalRoPE(32, 1e4, partial)(x, offset=offset)
+        got = layer_rope(32, 1e4, partial, 1.0)(x, offset=offset)
         want = naive_proportional_rope(x, offset, 32, 1e4, partial)
         assert np.allclose(np.array(got), want, atol=1e-5), (partial, offset)
     if partial < 1:  # the pairs past the rotated ones pass through

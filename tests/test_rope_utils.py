@@ -19,6 +19,7 @@ from test_gpt_oss import decode_in_chunks, relative_error
 from mlx_lm.models.rope_utils import (
     DynamicNTKRoPE,
     Llama3RoPE,
+    ProportionalRoPE,
     SuScaledRoPE,
     YarnRoPE,
     initialize_rope,
@@ -253,6 +254,42 @@ def test_initialize_rope_longrope_defaults():
     assert rope.original_max_position_embeddings == 4096 and rope.short_mscale == 1.0
     rope = initialize_rope(HEAD, 1e4, False, LONGROPE_WITH_FACTOR, 128)
     assert rope.long_mscale == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(16)))
+
+
+@pytest.mark.parametrize("rotated, traditional, factor", [(0, False, 1.0), (4, False, 1.0), (8, True, 1.0),
+                                                           (HEAD, False, 2.0), (6, False, 0.5)])
+def test_proportional_rope_matches_the_formula(rotated, traditional, factor):
+    """Pair i < rotated // 2 turns at base^(-2i / HEAD) / factor (the exponent over the
+    whole head), the other pairs not at all."""
+    def freqs(p):
+        return np.array([1e4 ** (-2 * i / HEAD) / factor if i < rotated // 2 else 0.0 for i in range(HEAD // 2)])
+
+    x = features(5)
+    rope = ProportionalRoPE(HEAD, rotated, traditional, 1e4, factor)
+    for offset in (0, 11):
+        want = naive_rope(x, range(offset, offset + 5), freqs, lambda p: 1.0, HEAD, traditional)
+        assert_matches(rope, x, offset, want)
+    got = np.array(rope(mx.array(x), offset=3))
+    unturned = [i for i in range(HEAD // 2) if i >= rotated // 2]
+    pairs = [2 * i + k for i in unturned for k in (0, 1)] if traditional else unturned + [i + HEAD // 2 for i in unturned]
+    assert np.array_equal(got[..., pairs], x[..., pairs])  # bit for bit: they pass through
+
+
+def test_initialize_rope_proportional_is_upstreams():
+    """upstream's config: int(dims * partial_rotary_factor) features turn, default factor 1."""
+    x = features(4)
+    rope = initialize_rope(HEAD, 1e4, False, {"rope_type": "proportional", "partial_rotary_factor": 0.25})
+    assert type(rope) is ProportionalRoPE
+    assert_matches(rope, x, 2, np.array(ProportionalRoPE(HEAD, 4, False, 1e4)(mx.array(x), offset=2)), tol=0)
+    whole = initialize_rope(HEAD, 1e4, True, {"type": "proportional", "factor": 4.0})
+    assert_matches(whole, x, 2, naive_rope(x, range(2, 6), lambda p: plain_freqs(HEAD, 1e4) / 4, lambda p: 1.0,
+                                           HEAD, traditional=True))
+    with pytest.raises(ValueError, match="partial_rotary_factor in \\[0, 1\\], got 1.5"):
+        initialize_rope(HEAD, 1e4, False, {"rope_type": "proportional", "partial_rotary_factor": 1.5})
+    with pytest.raises(ValueError, match="rotated_dims=20"):
+        ProportionalRoPE(HEAD, 20)
+    with pytest.raises(ValueError, match="positive factor, got 0"):
+        ProportionalRoPE(HEAD, 4, factor=0)
 
 
 def test_initialize_rope_errors_name_the_value():

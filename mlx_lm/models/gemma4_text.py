@@ -37,14 +37,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from . import gemma3, gemma3n, sharding
 from .base import BaseModelArgs, check_head_grouping, check_layer_types
 from .gemma3 import scale_embeddings
 from .gemma3n import RMSNorm, kv_sources
 from .gpt_oss import FULL, SLIDING
-from .rope_utils import periods
+from .rope_utils import ProportionalRoPE
 from .switch_layers import SwitchGLU
 
 # transformers' rope when a config gives none (Gemma4TextConfig.__post_init__).
@@ -55,28 +54,11 @@ DEFAULT_ROPE = {
 LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")  # what per_layer_config may set
 
 
-def proportional_inv_freq(head_dim: int, base: float, partial_rotary_factor: float, factor: float) -> np.ndarray:
-    """(head_dim // 2,) inverse frequencies of proportional rope: the first
-    int(partial * head_dim // 2) are base^(-2i / head_dim), the rest 0 (not rotated);
-    all divided by `factor`."""
-    angles = int(partial_rotary_factor * head_dim // 2)
-    inv_freq = np.zeros(head_dim // 2)
-    inv_freq[:angles] = 1.0 / base ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / head_dim)
-    return inv_freq / factor
-
-
-class ProportionalRoPE(nn.Module):
-    """Rope over the whole head (pairs i, i + D/2) with proportional_inv_freq; a pair
-    of frequency 0 (period inf) passes through unchanged."""
-
-    def __init__(self, head_dim: int, base: float, partial_rotary_factor: float, factor: float = 1.0):
-        super().__init__()
-        self.dims = head_dim
-        with np.errstate(divide="ignore"):
-            self._freqs = periods(proportional_inv_freq(head_dim, base, partial_rotary_factor, factor))
-
-    def __call__(self, x: mx.array, offset=0) -> mx.array:
-        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
+def layer_rope(head_dim: int, base: float, partial_rotary_factor: float, factor: float) -> ProportionalRoPE:
+    """A layer type's rope (TextModelArgs.rope): proportional, plain rope being the one
+    with every pair turning. transformers turns int(partial * head_dim // 2) pairs, which
+    is int(head_dim * partial) // 2."""
+    return ProportionalRoPE(head_dim, int(head_dim * partial_rotary_factor), base=base, factor=factor)
 
 
 @dataclass
@@ -218,7 +200,7 @@ class DecoderLayer(nn.Module):
         self.layer_type, self.kv_source = args.layer_types[index], args.kv_sources[index]
         head_dim, kv_heads, rope = args.head_dims[index], args.kv_heads[index], args.rope[self.layer_type]
         self.self_attn = gemma3n.Attention(
-            args, self.layer_type, self.kv_source is not None, head_dim, kv_heads, ProportionalRoPE(**rope),
+            args, self.layer_type, self.kv_source is not None, head_dim, kv_heads, layer_rope(**rope),
             values_from_keys=args.attention_k_eq_v and self.layer_type == FULL)
         wide = args.use_double_wide_mlp and self.kv_source is not None
         self.mlp = gemma3.MLP(args.hidden_size, args.intermediate_size * (2 if wide else 1))  # GeGLU

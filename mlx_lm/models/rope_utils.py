@@ -1,4 +1,5 @@
-"""Rotary position embeddings: default, linear, dynamic (NTK), llama3, yarn and longrope.
+"""Rotary position embeddings: default, linear, dynamic (NTK), llama3, yarn, longrope and
+proportional (Gemma 4's global layers).
 
 Configs come in two dialects. transformers 4 writes `rope_theta` and `rope_scaling` at
 the top level; transformers 5 writes one `rope_parameters` dict holding `rope_theta`,
@@ -32,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "mrope", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "mrope", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 
 def resolve_rope(
@@ -128,6 +129,15 @@ def longrope_attention_factor(factor: float, original_max_position_embeddings: i
     return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
 
 
+def proportional_inv_freq(dims: int, rotated_dims: int, base: float, factor: float = 1.0) -> np.ndarray:
+    """Proportional rope (Gemma 4): the first rotated_dims // 2 pairs turn at
+    base^(-2i / dims), the exponent over the whole head rather than the rotated part,
+    divided by `factor`; the other pairs have frequency 0 and never turn."""
+    inv_freq = np.zeros(dims // 2)
+    inv_freq[: rotated_dims // 2] = default_inv_freq(dims, base)[: rotated_dims // 2] / factor
+    return inv_freq
+
+
 def dynamic_ntk_base(base: float, dims: int, factor: float, max_position_embeddings: int, seq_len):
     """Dynamic NTK: the base for a sequence of seq_len tokens (an int or an array of them);
     unchanged up to max_position_embeddings, then
@@ -212,6 +222,22 @@ class ScaledRoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return rope_with_periods(x, self.dims, offset, self._freqs, self.traditional, self.mscale)
+
+
+class ProportionalRoPE(ScaledRoPE):
+    """Upstream's ProportionalRoPE(dims, rotated_dims, traditional, base, factor): rope
+    over all `dims` features with proportional_inv_freq, so the pairs past rotated_dims
+    pass through unchanged (a period of inf turns by 0)."""
+
+    def __init__(self, dims: int, rotated_dims: int, traditional: bool = False, base: float = 10000.0,
+                 factor: float = 1.0):
+        if isinstance(rotated_dims, bool) or not isinstance(rotated_dims, int) or not 0 <= rotated_dims <= dims:
+            raise ValueError(f"proportional rope rotates 0 to {dims} of its {dims} features, got "
+                             f"rotated_dims={rotated_dims!r}")
+        if not factor > 0:
+            raise ValueError(f"proportional rope needs a positive factor, got {factor!r}")
+        with np.errstate(divide="ignore"):  # frequency 0 -> period inf, what fast.rope takes as no turn
+            super().__init__(dims, proportional_inv_freq(dims, rotated_dims, base, factor), traditional)
 
 
 class Llama3RoPE(ScaledRoPE):
@@ -342,6 +368,11 @@ def initialize_rope(
         return nn.RoPE(dims, traditional=traditional, base=base, scale=1 / config["factor"])
     if rope_type == "dynamic":
         return DynamicNTKRoPE(dims, base, traditional, config["factor"], max_position_embeddings)
+    if rope_type == "proportional":  # upstream's: int(dims * partial_rotary_factor) features turn
+        partial = config.get("partial_rotary_factor", 1.0)
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 <= partial <= 1:
+            raise ValueError(f"proportional rope needs a partial_rotary_factor in [0, 1], got {partial!r}")
+        return ProportionalRoPE(dims, int(dims * partial), traditional, base, config.get("factor", 1.0))
     if max_position_embeddings is not None:  # transformers' fallback for the original context
         config.setdefault("original_max_position_embeddings", max_position_embeddings)
     if rope_type == "llama3":
