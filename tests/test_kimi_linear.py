@@ -20,7 +20,8 @@ from checkpoints import VOCAB_SIZE
 from family_checks import FIXTURES, PROMPT, Family, FamilyChecks, fixture_model, reference, relative_error
 
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
-from mlx_lm.models.kimi_linear import LatentAttention, ModelArgs, latent_attention
+from mlx_lm.models.kimi_linear import ModelArgs
+from mlx_lm.models.mla import LatentAttention, latent_attention
 from mlx_lm.utils import load_model, quantize_model
 
 L, F = "linear_attention", "full_attention"

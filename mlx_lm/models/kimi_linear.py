@@ -20,10 +20,11 @@ What differs from llama:
   from the latent c = norm(kv_a_proj_with_mqa(x)[:kv_lora_rank]) through `kv_b_proj`.
   Scale (qk_nope + qk_rope)^-1/2. The latent norms use eps 1e-6 (transformers' default
   for them), not rms_norm_eps.
-- MLA cache: the latent itself. A KVCache holds c (B, 1, S, kv_lora_rank) as its keys
-  and k_rot (B, 1, S, qk_rope) as its values, as transformers caches them; attention is
-  computed in the latent space (kv_b_proj absorbed: q_nope W_k^T c, and W_v applied to
-  the attended latent), one key head for all query heads. At Kimi-Linear-48B sizes that
+- MLA cache (mla.py, shared with deepseek_v2/v3): the latent itself. A KVCache holds
+  c (B, 1, S, kv_lora_rank) as its keys and k_rot (B, 1, S, qk_rope) as its values, as
+  transformers caches them; attention is computed in the latent space (kv_b_proj
+  absorbed: q_nope W_k^T c, and W_v applied to the attended latent), one key head for
+  all query heads. At Kimi-Linear-48B sizes that
   is 576 numbers a token and layer instead of 32 * (192 + 128) = 10240 for expanded
   keys and values. kv_b_proj is read as a matrix, so it stays in float when quantizing.
 - MoE: a sigmoid router in fp32 with a score-correction bias, group-limited top-k
@@ -51,9 +52,11 @@ import mlx.nn as nn
 
 from . import sharding
 from .base import BaseModelArgs, check_layer_types, run_hybrid_layers
-from .cache import ArraysCache, KVCache, QuantizedKVCache
+from .cache import ArraysCache, KVCache
 from .gated_delta import compute_beta, compute_kda_g, kda_recurrence, kda_replay
 from .llama import MLP
+# latent_attention: minicpm3 reads it from here (written while this moved to mla.py)
+from .mla import LatentAttention, latent_attention  # noqa: F401
 from .nemotron_h import TopkRouter, route
 from .qwen3_next import causal_conv1d, l2_normalize, split_fused_experts
 from .ssm import conv_state_after
@@ -63,7 +66,6 @@ LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 DENSE, SPARSE = "dense", "sparse"
 # Slots of a KDA layer's ArraysCache.
 CONV_STATE, RECURRENT_STATE = 0, 1
-LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with its default eps
 # Hub (and transformers-5 saved) names of the MoE keys -> transformers' attribute names.
 MOE_ALIASES = {
     "num_experts": "num_local_experts",
@@ -294,75 +296,6 @@ class DeltaAttention(nn.Module):
         self.dt_bias = sharding.take_shard(self.dt_bias, group)
         sharding.shard_projections(self, ("o_proj",), sharding.SHARDED_TO_ALL, group)
         self.qkv_dim = self.num_heads * self.head_dim
-
-
-def latent_attention(q_latent: mx.array, q_rot: mx.array, latent: mx.array, k_rot: mx.array, w_v: mx.array,
-                     scale: float, mask) -> mx.array:
-    """MLA in the latent space, one key head for all query heads.
-
-    q_latent (B, H, L, r) = q_nope W_k (kv_b_proj's key rows absorbed), q_rot (B, H, L,
-    dr); latent (B, 1, S, r), k_rot (B, 1, S, dr) from the cache; w_v (H, dv, r) the
-    value rows of kv_b_proj. softmax(scale (q_nope . k_nope + q_rot . k_rot)) v, with
-    k_nope = W_k c and v = W_v c, is softmax(scale [q_latent, q_rot] . [c, k_rot]) c
-    mapped by W_v afterwards -> (B, H, L, dv)."""
-    queries = mx.concatenate([q_latent, q_rot], axis=-1)  # (B, H, L, r + dr)
-    keys = mx.concatenate([latent, k_rot], axis=-1)  # (B, 1, S, r + dr)
-    attended = mx.fast.scaled_dot_product_attention(queries, keys, latent, scale=scale, mask=mask)  # (B, H, L, r)
-    return attended @ w_v.swapaxes(-1, -2)  # (B, H, L, dv)
-
-
-class LatentAttention(nn.Module):
-    """Multi-head latent attention without positions (Kimi Linear's MLA layers)."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim, bias = args.hidden_size, args.attention_bias
-        self.num_heads = args.num_attention_heads
-        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-        self.kv_lora_rank = args.kv_lora_rank
-        self.scale = (self.nope_dim + self.rope_dim) ** -0.5
-        q_dim = self.num_heads * (self.nope_dim + self.rope_dim)
-        if args.q_lora_rank is None:
-            self.q_proj = nn.Linear(dim, q_dim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(dim, args.q_lora_rank, bias=bias)
-            self.q_a_layernorm = nn.RMSNorm(args.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(args.q_lora_rank, q_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(dim, self.kv_lora_rank + self.rope_dim, bias=bias)
-        self.kv_a_layernorm = nn.RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, dim, bias=bias)
-
-    def queries(self, x: mx.array) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x) if "q_proj" in self else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, dn + dr)
-
-    def __call__(self, x: mx.array, mask=None, cache: Optional[KVCache] = None) -> mx.array:
-        B, L, _ = x.shape
-        q_nope, q_rot = mx.split(self.queries(x), [self.nope_dim], axis=-1)
-        latent, k_rot = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
-        latent = self.kv_a_layernorm(latent)[:, None]  # (B, 1, L, r)
-        k_rot = k_rot[:, None]  # (B, 1, L, dr): shared by the heads, never rotated
-        if isinstance(cache, QuantizedKVCache):  # its triples would not concatenate into one key
-            raise ValueError("a quantized KV cache (kv_bits) is not supported by Kimi Linear's latent "
-                             "attention; run without kv_bits")
-        if cache is not None:
-            latent, k_rot = cache.update_and_fetch(latent, k_rot)  # (B, 1, S, r), (B, 1, S, dr)
-        w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_k, w_v = w[:, : self.nope_dim], w[:, self.nope_dim :]  # (H, dn, r), (H, dv, r)
-        out = latent_attention(q_nope @ w_k, q_rot, latent, k_rot, w_v, self.scale, mask)  # (B, H, L, dv)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def shard(self, group: mx.distributed.Group) -> None:
-        """By heads: the query projection's rows (q_proj or q_b_proj), kv_b_proj's rows
-        (head-major, read as a matrix, so sliced in place) and o_proj's columns; the
-        latent projection and its norm stay whole (every head reads the latent)."""
-        self.num_heads = sharding.per_rank(self.num_heads, group, "num_attention_heads")
-        q_name = "q_proj" if "q_proj" in self else "q_b_proj"
-        sharding.shard_projections(self, (q_name,), sharding.ALL_TO_SHARDED, group)
-        self.kv_b_proj.weight = sharding.take_shard(self.kv_b_proj.weight, group)
-        sharding.shard_projections(self, ("o_proj",), sharding.SHARDED_TO_ALL, group)
 
 
 class MoE(nn.Module):
