@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import tokenizer_utils
+from . import compressed_tensors, tokenizer_utils
 from .tokenizer_utils import TokenizerWrapper
 from .tuner.utils import load_adapters  # noqa: F401  (upstream exports it here)
 
@@ -180,7 +180,8 @@ def check_weights(model: nn.Module, weights: Dict[str, mx.array]) -> None:
 # `to_quantized` (MLX semantics: a missing "mode" is "affine" and a missing group size or
 # bits is that mode's default). Older MLX checkpoints name the block
 # "quantization_config"; a "quantization_config" with a "quant_method" is a Hugging Face
-# quantization scheme instead, which only a model that knows it can read (gpt-oss MXFP4).
+# quantization scheme instead, which only a model that knows it can read (gpt-oss MXFP4) or
+# compressed_tensors.py repacks (llm-compressor's pack-quantized integers).
 
 # mode -> (group sizes, bits) MLX accepts for it; the first of each is the default.
 QUANT_MODES: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = {
@@ -615,7 +616,9 @@ def load_model(
 
     A quantized checkpoint (MLX layout: `<layer>.weight` packed, `.scales`, `.biases`)
     is described by `config["quantization"]`; exactly the layers whose `.scales` the
-    weights hold become quantized layers, before the weights are checked. `dtype`
+    weights hold become quantized layers, before the weights are checked. A
+    compressed-tensors checkpoint (llm-compressor's pack-quantized integers) is first
+    repacked into that layout (compressed_tensors.py); the config returned says so. `dtype`
     casts every floating point parameter (None keeps the checkpoint's; see
     `compute_dtype` for what `load` picks)."""
     config = load_config(model_path)
@@ -624,6 +627,8 @@ def load_model(
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = load_weights_files(model_path)
+    if compressed_tensors.quantization_config_of(config) is not None:  # llm-compressor's packed integers
+        weights, config = compressed_tensors.to_mlx(weights, config)
     weights = model.sanitize(weights)
     quantize_from_weights(model, weights, read_quantization(config))
     if strict:
