@@ -169,7 +169,21 @@ def test_su_scaled_rope_separate_mscales_and_partial_dims():
     with pytest.raises(ValueError, match="short_factor needs 6 values"):
         SuScaledRoPE(12, short_factor=SHORT, long_factor=LONG[:6])
     with pytest.raises(ValueError, match="needs an int offset"):
-        rope(mx.array(x), offset=mx.array([3]))
+        rope(mx.array(x), offset=3.0)
+
+
+@pytest.mark.parametrize("length", [1, 4])
+def test_su_scaled_rope_batch_rows_turn_as_alone(length):
+    """A (B,) array of offsets (a batch): each row takes the factors its own call would,
+    rows short and long in one call (a row is long when offset + length > 16)."""
+    rope = SuScaledRoPE(HEAD, base=1e4, max_position_embeddings=64, original_max_position_embeddings=16,
+                        short_factor=SHORT, long_factor=LONG)
+    offsets = [3, 13, 16]
+    assert {o + length > 16 for o in offsets} == {True, False}
+    x = mx.array(np.stack([features(length, seed=o)[0] for o in offsets]))  # (3, 2, length, HEAD)
+    got = rope(x, offset=mx.array(offsets))
+    for row, offset in enumerate(offsets):
+        assert mx.array_equal(got[row : row + 1], rope(x[row : row + 1], offset=offset)), offset
 
 
 def test_su_scaled_rope_depends_on_the_split_as_transformers():

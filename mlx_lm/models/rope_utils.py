@@ -312,12 +312,25 @@ class SuScaledRoPE(nn.Module):
         self._short_freqs = periods(longrope_inv_freq(dims, base, short_factor))
         self._long_freqs = periods(longrope_inv_freq(dims, base, long_factor))
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
+        """x (B, *, L, D) at positions offset.. ; `offset` an int, or a (B,) array of
+        each row's first position (a batch): each row then takes the factors its own
+        call of L tokens would, so a batch row turns as the sequence does alone."""
+        if isinstance(offset, mx.array):
+            reaches_past = offset + x.shape[-2] > self.original_max_position_embeddings  # (B,)
+            rows = reaches_past.reshape(-1, *([1] * (x.ndim - 1)))  # (B, 1, .., 1)
+            return mx.where(rows, self._long(x, offset), self._short(x, offset))
         if not isinstance(offset, int):
-            raise ValueError(f"longrope picks its factors by the length a call reaches and needs an int offset, "
-                             f"got {offset!r}")
+            raise ValueError(f"longrope picks its factors by the length a call reaches and needs an int offset "
+                             f"or a (B,) array of them, got {offset!r}")
         if offset + x.shape[-2] > self.original_max_position_embeddings:
-            return rope_with_periods(x, self.dims, offset, self._long_freqs, self.traditional, self.long_mscale)
+            return self._long(x, offset)
+        return self._short(x, offset)
+
+    def _long(self, x: mx.array, offset: Union[int, mx.array]) -> mx.array:
+        return rope_with_periods(x, self.dims, offset, self._long_freqs, self.traditional, self.long_mscale)
+
+    def _short(self, x: mx.array, offset: Union[int, mx.array]) -> mx.array:
         return rope_with_periods(x, self.dims, offset, self._short_freqs, self.traditional, self.short_mscale)
 
 
