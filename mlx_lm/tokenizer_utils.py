@@ -610,7 +610,9 @@ _STRUCTURAL_MARKERS = [
     (("<|open|>", "<|close|>", "<|sep|>"),
      ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")),
     (tool_parsers.HARMONY_TOKENS,
-     ("<|start|>assistant", "<|channel|>final<|message|>", "<|channel|>commentary<|message|>", "<|end|>")),
+     # "<|channel|>commentary" alone: the channel header of a call (tool_parsers/harmony.py)
+     ("<|start|>assistant", "<|channel|>final<|message|>", "<|channel|>commentary<|message|>",
+      "<|channel|>commentary", "<|end|>")),
 ]
 
 

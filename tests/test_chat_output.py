@@ -163,6 +163,60 @@ def test_gpt_oss_harmony_answers(tmp_path):
     assert (answer.reasoning, answer.content, answer.tool_calls) == ("ok", "It is sunny.", [])
 
 
+HARMONY_REASONING = "<|channel|>analysis<|message|>Need it.<|end|>"
+HARMONY_CALLS = {  # the recipient in the channel header, and in the message header
+    "channel": '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+               '{"city": "Paris"}',
+    "header": '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',
+}
+
+
+def harmony_tokenizer(directory):
+    write_tokenizer(directory)
+    hf = load(directory).tokenizer
+    hf.add_tokens(["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>"], True)
+    hf.save_pretrained(directory)
+    return load(directory)
+
+
+def harmony_read(plan, pieces):
+    r = plan.router(False)
+    delta = r.add("")
+    for piece in pieces:
+        delta.extend(r.add(piece))
+    delta.extend(r.finish())
+    return delta.reasoning, delta.content, [(c["function"]["name"], c["function"]["arguments"]) for c in delta.tool_calls]
+
+
+@pytest.mark.parametrize("form", HARMONY_CALLS)
+@pytest.mark.parametrize("ending", ["", "<|call|>"])  # <|call|> is an end-of-sequence token: often not in the text
+def test_harmony_calls_read_the_same_however_many_tokens_a_step(tmp_path, form, ending):
+    """As speculation delivers them: the answer's tokens decoded 1, 2, 3 or 4 at a time."""
+    tokenizer = harmony_tokenizer(tmp_path)
+    plan = plan_chat(tokenizer, "<|start|>user<|message|>weather?<|end|><|start|>assistant", "auto", TOOLS)
+    answer = HARMONY_REASONING + HARMONY_CALLS[form] + ending
+    whole = harmony_read(plan, [answer])
+    assert whole == ("Need it.", "", [("get_weather", '{"city": "Paris"}')])
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    for per_step in (1, 2, 3, 4):
+        pieces = [tokenizer.decode(ids[i : i + per_step]) for i in range(0, len(ids), per_step)]
+        assert "".join(pieces) == answer
+        assert harmony_read(plan, pieces) == whole, per_step
+
+
+def test_a_required_harmony_call_continues_the_message_header(tmp_path):
+    tokenizer = harmony_tokenizer(tmp_path)
+    prompt = "<|start|>user<|message|>weather?<|end|><|start|>assistant" + forced_call_prefix(tokenizer, "required")
+    assert prompt.endswith("<|start|>assistant to=functions.")  # the header form
+    plan = plan_chat(tokenizer, prompt, "required", TOOLS)
+    answer = 'get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+    assert harmony_read(plan, [answer]) == ("", "", [("get_weather", '{"city": "Paris"}')])
+    assert harmony_read(plan, list(answer)) == ("", "", [("get_weather", '{"city": "Paris"}')])
+    # Commentary without a recipient is a preamble to the user: content.
+    plan = plan_chat(tokenizer, prompt[: -len(" to=functions.")], "auto", TOOLS)
+    assert harmony_read(plan, ["<|channel|>commentary<|message|>Checking.<|end|>"]) == ("", "Checking.", [])
+
+
 def result(text, finish_reason="stop"):
     return GenerationResult(text, finish_reason, 5, 0, 7, None, [])
 

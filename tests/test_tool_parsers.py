@@ -57,6 +57,18 @@ CALLS = [
     ("nemotron_json", '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
                       '{"name": "get_time", "arguments": {"zone": "UTC"}}]', [WEATHER, TIME]),
     ("minicpm5", '"get_weather"><param name="city">Paris</param><param name="days">3</param>', [WEATHER]),
+    # The looser forms models write too (after the first of each format, which the cut test takes):
+    ("harmony", 'get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 3}', [WEATHER]),
+    ("pythonic", "[get_weather(city=Paris, days=3)]", [WEATHER]),
+    ("pythonic", "[get_weather(city=New York, days=3), get_time(zone='UTC')]",
+     [{**WEATHER, "arguments": {"city": "New York", "days": 3}}, TIME]),
+    ("glm47", 'get_weather\n{"city": "Paris", "days": "3"}', [WEATHER]),
+    ("glm47", 'get_weather {"city": "Paris", "days": 3}', [WEATHER]),
+    ("glm47", 'get_weather city="Paris" days=3', [WEATHER]),
+    ("glm47", '{"function": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 3}"}', [WEATHER]),
+    ("glm47", '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+              '{"tool": {"name": "get_time", "arguments": {"zone": "UTC"}}}]', [WEATHER, TIME]),
+    ("glm47", "get_time", [{"name": "get_time", "arguments": {}}]),
     ("muse_spark", '\n<atem:invoke name="get_weather">\n<atem:parameter name="city">Paris</atem:parameter>'
                    '<atem:parameter name="days">3</atem:parameter>\n</atem:invoke>\n'
                    '<atem:invoke name="get_time"><atem:parameter name="zone">UTC</atem:parameter></atem:invoke>',
@@ -71,11 +83,17 @@ MALFORMED = [
     ("qwen3_coder", "<function=get_weather>\n<parameter=city>\nParis"),
     ("mistral", 'get_weather[ARGS]{"city": '),
     ("mistral", "I will not call anything."),
-    ("pythonic", "[get_weather(city=Paris)]"),
-    ("pythonic", '[get_weather("Paris")]'),
+    ("pythonic", '[get_weather("Paris")]'),  # positional: its parameter is unknown (upstream drops it)
+    ("pythonic", '[get_weather(city=Paris, "x")]'),
+    ("pythonic", '[get_weather(city="Paris)]'),
+    ("pythonic", "[get_weather(city=(Paris]]"),
     ("gemma4", "call:get_weather{city:<|\"|>Paris"),
     ("function_gemma", "no call here"),
-    ("glm47", "this is prose, not a call"),
+    ("glm47", "this is prose, not a call"),  # upstream: a call named "unknown"
+    ("glm47", "get_weather: Paris"),
+    ("glm47", 'get_weather city="Paris'),
+    ("glm47", 'get_weather ["Paris"]'),
+    ("glm47", '{"arguments": {"city": "Paris"}}'),
     ("harmony", "get_weather <|constrain|>json"),
     ("kimi_k2", "functions.get_weather{}"),
     ("kimi_k3", '<|open|>call index="1"<|sep|><|close|>call<|sep|>'),
@@ -149,9 +167,13 @@ def answer_text(name, text):
 
 
 FIRST_OF_EACH = [c for i, c in enumerate(CALLS) if c[0] not in [d[0] for d in CALLS[:i]]]
+# and the loose forms of issue 32: harmony's recipient in the message header, pythonic
+# with bare strings, glm47's bare forms (the harmony framing itself: test_chat_output)
+LOOSE = [c for c in CALLS if c[0] in ("harmony", "pythonic", "glm47") and c not in FIRST_OF_EACH]
+CUT = FIRST_OF_EACH + LOOSE
 
 
-@pytest.mark.parametrize("name, text, expected", FIRST_OF_EACH, ids=[c[0] for c in FIRST_OF_EACH])
+@pytest.mark.parametrize("name, text, expected", CUT, ids=[f"{c[0]}-{i}" for i, c in enumerate(CUT)])
 def test_every_cut_of_an_answer_reads_as_the_whole(name, text, expected):
     answer = answer_text(name, text)
     whole = read_answer(name, [answer])
