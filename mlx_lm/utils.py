@@ -28,6 +28,8 @@ MODEL_REMAPPING = {
     "gemma4": "gemma4_text",
     "ministral": "llama",
     "llama4_text": "llama4",
+    "kimi_k2": "deepseek_v3",
+    "joyai_llm_flash": "deepseek_v3",
 }
 
 # What a hub download fetches: configs, weights, code-free tokenizer files.
