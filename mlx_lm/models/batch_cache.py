@@ -17,6 +17,16 @@ the other rows do; the holes are squeezed out once they are half the columns. A 
 window drops the leading columns no query will see. Both happen in `make_room`, which
 the generator calls before each forward, never between a mask and its update.
 
+Upstream's batch API works on these classes: `BatchKVCache(left_padding)` and
+`BatchRotatingKVCache(max_size, left_padding)` make an empty batch whose rows start with
+that much padding (the padding becomes holes: a row's positions start at -padding),
+`prepare(left_padding=, lengths=, right_padding=)` / `finalize()` bracket a prefill of
+prompts padded to one length (right padding becomes holes at `finalize`), `merge`
+(also `KVCache.merge(...)`, cache.py), `extend` (in place), `extract`, `keys`,
+`values`, `keys_and_values()`, `left_padding`, `nbytes`. Where this differs: `filter`
+returns the kept rows as a new batch and leaves the receiver whole, `trim(n)` raises
+where upstream clamps, and recurrent caches take no padding (cache.ArraysCache).
+
 Quantized KV rows (`BatchQuantizedKVCache`) use the same layout with a (packed,
 scales, biases) triple of buffers for each of keys and values.
 
@@ -29,8 +39,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-from .cache import SharedKVReader
+from .cache import (
+    BATCH_CLASSES, ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, SharedKVReader,
+    check_kv_quantization_params, int_list, merge_entries,
+)
 from .masks import chunked_mask_for_positions
 
 
@@ -51,7 +63,35 @@ def _placed(array: mx.array, width: int, capacity: int, axis: int, fill) -> mx.a
     return mx.concatenate([p for p in pieces if p.shape[axis]], axis=axis)
 
 
-class _AlignedKV:
+def _counts(values, name: str, batch_size: Optional[int] = None) -> List[int]:
+    """Per-row token counts (paddings, lengths), checked: ints >= 0, one per row."""
+    counts = int_list(values)
+    if batch_size is not None and len(counts) != batch_size:
+        raise ValueError(f"{name} needs one count per row of the batch ({batch_size}), got {counts}")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"{name} counts tokens and cannot be negative, got {counts}")
+    return counts
+
+
+def _rows(indices, batch_size: int) -> List[int]:
+    """Row numbers (a list or an mx.array), checked against the batch size."""
+    rows = int_list(indices)
+    bad = [i for i in rows if not 0 <= i < batch_size]
+    if bad:
+        raise IndexError(f"rows {bad} do not exist in a batch of {batch_size} rows")
+    return rows
+
+
+class _NotSaved:
+    """Batched entries are not written to prompt-cache files: their rows are."""
+
+    @property
+    def meta_state(self):
+        raise ValueError(f"a {type(self).__name__} (a batch) is not saved as it is; save each row's cache "
+                         "(extract(i)) instead")
+
+
+class _AlignedKV(_NotSaved):
     """Shared machinery of the right-aligned KV layouts (see the module docstring).
 
     buffers: (B, H_kv, capacity, d) arrays, the keys' then the values' (one each, or a
@@ -59,23 +99,55 @@ class _AlignedKV:
     `positions` (B, capacity) int32: the position of the token in each column, NO_TOKEN for none;
     `width`: columns in use; `lengths`: per-row positions (the tokens each row has
     seen, which for a sliding window exceeds what it holds); `num_invalid`: per row,
-    columns before `width` that hold no token."""
+    columns before `width` that hold no token. A row's length is negative while padding
+    is still to come (upstream's left padding, given to the constructor or `prepare`)."""
 
     step = 256
 
-    def __init__(self, buffers: Optional[List[mx.array]], positions: Optional[mx.array], width: int,
-                 lengths: List[int], num_invalid: List[int]):
+    def __init__(self, left_padding: Sequence[int]):
+        """Upstream's constructor: an empty batch of len(left_padding) rows whose first
+        left_padding[b] tokens fed are padding, held as holes (row b's positions start at
+        -left_padding[b], so its first real token has position 0)."""
+        padding = _counts(left_padding, "left_padding")
+        self._set_rows(None, None, 0, [-p for p in padding], [0] * len(padding))
+
+    def _set_rows(self, buffers: Optional[List[mx.array]], positions: Optional[mx.array], width: int,
+                  lengths: List[int], num_invalid: List[int]) -> None:
         self.buffers, self.positions, self.width = buffers, positions, width
         self.lengths, self.num_invalid = list(lengths), list(num_invalid)
         self.offset = mx.array(self.lengths, dtype=mx.int32)  # (B,) rope positions
+        self._room_for = 0  # make_room ran for this many new tokens and nothing changed since
+        # (right_padding, lengths or None, each row's length at prepare) until finalize
+        self._right_padding: Optional[Tuple[List[int], Optional[List[int]], List[int]]] = None
+
+    def _settings(self) -> dict:
+        """The constructor's arguments besides left_padding."""
+        return {}
+
+    def _like(self, *rows) -> "_AlignedKV":
+        """A batch of this class and settings holding `rows` (what _set_rows takes)."""
+        made = type(self)(left_padding=[], **self._settings())
+        made._set_rows(*rows)
+        return made
 
     @classmethod
     def _from_rows(cls, buffers: Optional[List[mx.array]], first_position: int, length: int,
-                   **kwargs) -> "_AlignedKV":
+                   **settings) -> "_AlignedKV":
         """One row holding (1, H, n, d) buffers of positions first_position.. (None: n = 0)."""
         n = 0 if buffers is None else buffers[0].shape[2]
         positions = None if buffers is None else mx.arange(first_position, first_position + n, dtype=mx.int32)[None]
-        return cls(buffers, positions, n, [length], [0], **kwargs)
+        made = cls(left_padding=[], **settings)
+        made._set_rows(buffers, positions, n, [length], [0])
+        return made
+
+    def _extend(self, other: "_AlignedKV") -> "_AlignedKV":
+        """Upstream's extend, in place: other's rows after these (returns self too)."""
+        if type(other) is not type(self):
+            raise ValueError(f"a {type(self).__name__} cannot be extended by a {type(other).__name__}")
+        if self._right_padding is not None or other._right_padding is not None:
+            raise ValueError("finalize() a padded prefill before the batch changes rows")
+        self._set_rows(*self._joined(other))
+        return self
 
     def _split(self, keys: mx.array, values: mx.array) -> List[mx.array]:
         """New (B, H_kv, N, D) keys and values as buffer rows."""
@@ -88,6 +160,30 @@ class _AlignedKV:
     @property
     def capacity(self) -> int:
         return 0 if self.buffers is None else self.buffers[0].shape[2]
+
+    @property
+    def keys(self):
+        """Upstream's: the keys buffer of every column (None while empty)."""
+        return None if self.buffers is None else self._fetch(self.capacity)[0]
+
+    @property
+    def values(self):
+        return None if self.buffers is None else self._fetch(self.capacity)[1]
+
+    def keys_and_values(self):
+        """The keys and values of the columns in use, as update_and_fetch returns them."""
+        return (None, None) if self.buffers is None else self._fetch(self.width)
+
+    @property
+    def left_padding(self) -> mx.array:
+        """(B,) upstream's left padding: each row's leading columns that hold no token,
+        plus the padding still to come."""
+        to_come = mx.array([max(-n, 0) for n in self.lengths], dtype=mx.int32)
+        if self.buffers is None:
+            return to_come
+        held = self.positions[:, : self.width] >= 0
+        leading = mx.where(held.any(axis=1), mx.argmax(held, axis=1).astype(mx.int32), self.width)
+        return leading + to_come
 
     @property
     def state(self) -> List[mx.array]:
@@ -120,13 +216,14 @@ class _AlignedKV:
         """Before a forward of num_new tokens (not during one: the mask and the update
         must see the same columns), if they do not fit: drop the columns no query will
         see, and squeeze out the holes left by rejected drafts once they are half."""
-        if self.buffers is None or self.width + num_new <= self.capacity:
+        if self.buffers is None or self.width + num_new <= self.capacity or num_new <= self._room_for:
             return
         drop = self._columns_to_drop(num_new)
         if drop:
             self._drop(drop)
         if self.width + num_new > self.capacity and max(self.num_invalid) * 2 >= self.width:
             self._compact()
+        self._room_for = num_new  # (so the next layers' calls need no read of the positions)
 
     def _ensure_room(self, rows: List[mx.array]) -> None:
         """Allocate, or grow in blocks of `step` columns, so the new columns fit."""
@@ -160,17 +257,27 @@ class _AlignedKV:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append (B, H_kv, N, D) keys/values at column `width` for every row; return the
-        (B, H_kv, width, D) columns in use."""
+        (B, H_kv, width, D) columns in use. Tokens of a row's padding still to come become
+        holes. Makes room first (make_room; a no-op when the caller already has)."""
+        if keys.shape[0] != self.batch_size:
+            raise ValueError(f"keys of {keys.shape[0]} rows cannot update a batch of {self.batch_size} rows")
         num_new = keys.shape[2]
+        self.make_room(num_new)
         rows = self._split(keys, values)
         self._ensure_room(rows)
         start, end = self.width, self.width + num_new
         for buffer, row in zip(self.buffers, rows):
             buffer[..., start:end, :] = row
-        self.positions[:, start:end] = self.offset[:, None] + mx.arange(num_new, dtype=mx.int32)
+        positions = self.offset[:, None] + mx.arange(num_new, dtype=mx.int32)
+        padded = [min(max(-n, 0), num_new) for n in self.lengths]
+        if any(padded):
+            positions = mx.maximum(positions, NO_TOKEN)  # padding: negative positions, holes
+            self.num_invalid = [i + p for i, p in zip(self.num_invalid, padded)]
+        self.positions[:, start:end] = positions
         self.width = end
         self.lengths = [n + num_new for n in self.lengths]
         self.offset = self.offset + num_new
+        self._room_for = 0
         return self._fetch(end)
 
     def _window(self, window_size: Optional[int]) -> Optional[int]:
@@ -180,7 +287,9 @@ class _AlignedKV:
         """(B, 1, N, S) boolean over the S columns the update of these N queries returns:
         the query at position p of row b sees the columns holding its positions up to p
         (within its window). None for a single query when every column holds a token
-        and every row sees every column."""
+        and every row sees every column. Makes room for them first (the update will
+        return exactly these columns)."""
+        self.make_room(num_queries)
         window = self._window(window_size)
         gapless = not any(self.num_invalid)
         if num_queries == 1 and gapless and (window is None or self.width < window) and not return_array:
@@ -206,6 +315,9 @@ class _AlignedKV:
             return
         if max(counts) > self.width or min(counts) < 0:
             raise ValueError(f"cannot trim {list(counts)} tokens from rows holding {self.width} columns")
+        if any(c > max(n, 0) for c, n in zip(counts, self.lengths)):
+            raise ValueError(f"cannot trim {list(counts)} tokens from rows of lengths {self.lengths}")
+        self._room_for = 0
         columns = mx.arange(self.positions.shape[1])[None]
         first_gone = self.width - mx.array(list(counts), dtype=mx.int32)[:, None]
         self.positions = mx.where((columns >= first_gone) & (columns < self.width), NO_TOKEN, self.positions)
@@ -216,11 +328,47 @@ class _AlignedKV:
         self.num_invalid = [i + c - common for i, c in zip(self.num_invalid, counts)]
 
     def trim(self, n: int) -> int:
+        """Every row's last n tokens (strict, as trim_rows: upstream clamps to the columns)."""
         self.trim_rows([n] * self.batch_size)
         return max(n, 0)
 
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Upstream's step before a batched prefill of prompts padded to one length.
+        `left_padding`: more padding before the rows' first tokens (an empty batch only).
+        `right_padding` (and `lengths`): of the tokens row b is fed next, lengths[b] are
+        real and the right_padding[b] after them padding, which `finalize` turns into
+        holes; call it right after the prefill."""
+        padding = [] if left_padding is None else _counts(left_padding, "left_padding", self.batch_size)
+        if any(padding):
+            if self.buffers is not None:
+                raise ValueError(f"left padding {padding} can only be added to an empty {type(self).__name__}; "
+                                 f"this one holds {self.width} columns")
+            self._set_rows(None, None, 0, [n - p for n, p in zip(self.lengths, padding)], self.num_invalid)
+        if right_padding is not None:
+            padding = _counts(right_padding, "right_padding", self.batch_size)
+            real = None if lengths is None else _counts(lengths, "lengths", self.batch_size)
+            if any(padding):
+                self._right_padding = (padding, real, list(self.lengths))
+                self._room_for = 0
+
+    def finalize(self) -> None:
+        """Upstream's step after a right-padded prefill: the padding becomes holes."""
+        if self._right_padding is None:
+            return
+        padding, real, before = self._right_padding
+        fed = [n - b for n, b in zip(self.lengths, before)]
+        expected = fed if real is None else [r + p for r, p in zip(real, padding)]
+        if fed != expected or any(f < p for f, p in zip(fed, padding)):
+            raise ValueError(f"prepare announced {real} tokens then right padding {padding} per row, "
+                             f"but the rows were fed {fed}")
+        self._right_padding = None
+        self.trim_rows(padding)
+
     def _take_rows(self, indices: Sequence[int]):
-        at = mx.array(list(indices), dtype=mx.int32)
+        if self._right_padding is not None:
+            raise ValueError("finalize() a padded prefill before the batch changes rows")
+        indices = _rows(indices, self.batch_size)
+        at = mx.array(indices, dtype=mx.int32)
         lengths = [self.lengths[i] for i in indices]
         num_invalid = [self.num_invalid[i] for i in indices]
         if self.buffers is None:
@@ -291,16 +439,19 @@ class BatchKVCache(_AlignedKV):
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
-        batch = cls(None, None, 0, [], [])
+        batch = cls([])
         for c in caches:
-            batch = batch.extend(cls._from_rows(list(c.state) if c.offset else None, 0, c.offset))
+            batch.extend(cls._from_rows(list(c.state) if c.offset else None, 0, c.offset))
         return batch
 
     def extend(self, other: "BatchKVCache") -> "BatchKVCache":
-        return BatchKVCache(*self._joined(other))
+        """Other's rows after these, in place (as upstream's); returns self."""
+        return self._extend(other)
 
     def filter(self, indices: Sequence[int]) -> "BatchKVCache":
-        return BatchKVCache(*self._take_rows(indices))
+        """Rows `indices` (in that order) as a new batch; this one is left whole (upstream
+        filters in place)."""
+        return self._like(*self._take_rows(indices))
 
     def extract(self, index: int) -> KVCache:
         cache = KVCache()
@@ -316,9 +467,14 @@ class BatchRotatingKVCache(_AlignedKV):
 
     row_class = RotatingKVCache  # what extract gives back
 
-    def __init__(self, buffers, positions, width: int, lengths: List[int], num_invalid: List[int], max_size: int):
-        super().__init__(buffers, positions, width, lengths, num_invalid)
+    def __init__(self, max_size: int, left_padding: Sequence[int]):
+        if max_size < 1:
+            raise ValueError(f"a sliding window holds at least one token, got max_size={max_size}")
+        super().__init__(left_padding)
         self.max_size = max_size
+
+    def _settings(self) -> dict:
+        return {"max_size": self.max_size}
 
     def _window(self, window_size: Optional[int]) -> int:
         if window_size is not None and not 0 < window_size <= self.max_size:
@@ -329,7 +485,9 @@ class BatchRotatingKVCache(_AlignedKV):
         # Row b keeps its max_size newest tokens, as a RotatingKVCache does: its next
         # query (position lengths[b]) sees back to lengths[b] - max_size + 1, and a
         # forward rolled back whole (a cancelled round) must leave the row a full window.
-        seen = self.positions[:, : self.width] >= (self.offset - self.max_size)[:, None]  # (B, width)
+        # While a right-padded prefill runs, a row's padding does not move its window.
+        ends = self.offset if self._right_padding is None else self.offset - mx.array(self._right_padding[0])
+        seen = self.positions[:, : self.width] >= (ends - self.max_size)[:, None]  # (B, width)
         first = mx.where(seen.any(axis=1), mx.argmax(seen, axis=1), self.width)
         return min(first.tolist())
 
@@ -344,20 +502,22 @@ class BatchRotatingKVCache(_AlignedKV):
                 f"batching does not support sink tokens (RotatingKVCache keep={sinks[0]}); drop max_kv_size"
             )
         max_size = sizes.pop()
-        batch = cls(None, None, 0, [], [], max_size=max_size)
+        batch = cls(max_size, [])
         for c in caches:
             held = c.size()
             rows = [c._temporal_order(c.keys), c._temporal_order(c.values)] if held else None
-            batch = batch.extend(cls._from_rows(rows, c.offset - held, c.offset, max_size=max_size))
+            batch.extend(cls._from_rows(rows, c.offset - held, c.offset, max_size=max_size))
         return batch
 
     def extend(self, other: "BatchRotatingKVCache") -> "BatchRotatingKVCache":
-        if other.max_size != self.max_size:
+        """Other's rows after these, in place (as upstream's); returns self."""
+        if type(other) is type(self) and other.max_size != self.max_size:
             raise ValueError(f"rotating caches of sizes {self.max_size} and {other.max_size} cannot share a batch")
-        return type(self)(*self._joined(other), max_size=self.max_size)
+        return self._extend(other)
 
     def filter(self, indices: Sequence[int]) -> "BatchRotatingKVCache":
-        return type(self)(*self._take_rows(indices), max_size=self.max_size)
+        """Rows `indices` as a new batch; this one is left whole (upstream: in place)."""
+        return self._like(*self._take_rows(indices))
 
     def extract(self, index: int) -> RotatingKVCache:
         """The row as a RotatingKVCache holding its newest tokens in temporal order
@@ -382,6 +542,7 @@ class BatchChunkedKVCache(BatchRotatingKVCache):
     def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         """(B, 1, N, S) boolean: the query at position p of row b sees the columns holding
         that row's positions of p's chunk up to p."""
+        self.make_room(num_queries)
         if window_size is not None:
             raise ValueError(f"a batched chunked cache masks by its chunks of {self.max_size}; "
                              f"got window_size={window_size}")
@@ -395,10 +556,10 @@ class BatchQuantizedKVCache(_AlignedKV, QuantizedKVCache):
     on its own, as a QuantizedKVCache does); attention reads them with quantized
     matmuls (base.scaled_dot_product_attention dispatches on QuantizedKVCache)."""
 
-    def __init__(self, buffers, positions, width: int, lengths: List[int], num_invalid: List[int],
-                 group_size: int, bits: int):
-        _AlignedKV.__init__(self, buffers, positions, width, lengths, num_invalid)
+    def __init__(self, left_padding: Sequence[int], group_size: int = 64, bits: int = 8):
+        check_kv_quantization_params(group_size, bits)
         self.group_size, self.bits = group_size, bits
+        _AlignedKV.__init__(self, left_padding)
 
     def _split(self, keys: mx.array, values: mx.array) -> List[mx.array]:
         return [*self._quantize(keys), *self._quantize(values)]
@@ -416,20 +577,22 @@ class BatchQuantizedKVCache(_AlignedKV, QuantizedKVCache):
         if len(settings) > 1:
             raise ValueError(f"quantized caches of different (group_size, bits) {sorted(settings)} cannot share a batch")
         group_size, bits = settings.pop()
-        batch = cls(None, None, 0, [], [], group_size=group_size, bits=bits)
+        batch = cls([], group_size=group_size, bits=bits)
         for c in caches:
             rows = [*c.state[0], *c.state[1]] if c.offset else None
-            batch = batch.extend(cls._from_rows(rows, 0, c.offset, group_size=group_size, bits=bits))
+            batch.extend(cls._from_rows(rows, 0, c.offset, group_size=group_size, bits=bits))
         return batch
 
     def extend(self, other: "BatchQuantizedKVCache") -> "BatchQuantizedKVCache":
-        if (other.group_size, other.bits) != (self.group_size, self.bits):
+        """Other's rows after these, in place; returns self."""
+        if type(other) is type(self) and (other.group_size, other.bits) != (self.group_size, self.bits):
             raise ValueError(f"quantized caches of bits {self.bits} and {other.bits} (group sizes {self.group_size}, "
                              f"{other.group_size}) cannot share a batch")
-        return BatchQuantizedKVCache(*self._joined(other), **self._settings())
+        return self._extend(other)
 
     def filter(self, indices: Sequence[int]) -> "BatchQuantizedKVCache":
-        return BatchQuantizedKVCache(*self._take_rows(indices), **self._settings())
+        """Rows `indices` as a new batch; this one is left whole."""
+        return self._like(*self._take_rows(indices))
 
     def extract(self, index: int) -> QuantizedKVCache:
         cache = QuantizedKVCache(self.group_size, self.bits)
@@ -440,7 +603,7 @@ class BatchQuantizedKVCache(_AlignedKV, QuantizedKVCache):
         return cache
 
 
-class BatchArraysCache(ArraysCache):
+class BatchArraysCache(_NotSaved, ArraysCache):
     """ArraysCache rows (recurrent and conv state) stacked along the batch axis.
 
     While speculating, the layers record each forward (`record_rollback`, as for one
@@ -465,31 +628,49 @@ class BatchArraysCache(ArraysCache):
             batch = batch.extend(c)
         return batch
 
+    _rows_without_state = 0  # while the arrays are None: how many rows have seen no token
+
     @property
     def batch_size(self) -> int:
-        return 0 if self.cache[0] is None else self.cache[0].shape[0]
+        return self._rows_without_state if self.cache[0] is None else self.cache[0].shape[0]
 
-    def _like(self, arrays: List[Optional[mx.array]]) -> "BatchArraysCache":
+    @staticmethod
+    def _num_rows(cache: ArraysCache) -> int:
+        if isinstance(cache, BatchArraysCache):
+            return cache.batch_size
+        return 1 if cache.cache[0] is None else cache.cache[0].shape[0]  # one sequence's
+
+    def _like(self, arrays: List[Optional[mx.array]], num_rows: int) -> "BatchArraysCache":
         made = BatchArraysCache(len(arrays))
         made.cache, made._speculating, made._window = arrays, self._speculating, self._window
+        made._rows_without_state = num_rows if arrays[0] is None else 0
         return made
 
     def extend(self, other: ArraysCache) -> "BatchArraysCache":
+        """Other's rows (a batch's or one sequence's) after these, in place; returns self.
+        A row that has seen no token cannot join rows that have (nor they it): upstream
+        gives it zeros, but a layer may start a sequence differently from a zero state
+        (recurrent_gemma's RG-LRU)."""
+        if not isinstance(other, ArraysCache):
+            raise ValueError(f"a BatchArraysCache cannot be extended by a {type(other).__name__}")
         if len(other.cache) != len(self.cache):
             raise ValueError(f"ArraysCache of {len(other.cache)} arrays cannot join a batch of {len(self.cache)}")
-        joined = []
+        num_rows, joined = self._num_rows(other), []
         for mine, theirs in zip(self.cache, other.cache):
-            if mine is None or theirs is None:
-                if mine is not None or self.batch_size:
-                    raise ValueError("a recurrent cache that has seen no token cannot join a batch that has")
-                joined.append(theirs)
-            else:
-                joined.append(mx.concatenate([mine, theirs]))
-        return self._like(joined)
+            if (mine is None) != (theirs is None) and self.batch_size and num_rows:
+                raise ValueError("a recurrent cache that has seen no token cannot join one that has "
+                                 "(prefill a token alone first)")
+            joined.append(theirs if mine is None else mine if theirs is None else mx.concatenate([mine, theirs]))
+        rows = self.batch_size + num_rows
+        self.cache, self._records = joined, []  # records replay the rows they were taken of
+        self._rows_without_state = rows if joined[0] is None else 0
+        return self
 
     def filter(self, indices: Sequence[int]) -> "BatchArraysCache":
-        at = mx.array(list(indices), dtype=mx.int32)
-        return self._like([None if a is None else mx.take(a, at, axis=0) for a in self.cache])
+        """Rows `indices` as a new batch; this one is left whole (upstream: in place)."""
+        rows = _rows(indices, self.batch_size)
+        at = mx.array(rows, dtype=mx.int32)
+        return self._like([None if a is None else mx.take(a, at, axis=0) for a in self.cache], len(rows))
 
     def extract(self, index: int) -> ArraysCache:
         row = ArraysCache(len(self.cache))
@@ -561,10 +742,12 @@ class BatchCacheList(CacheList):
 
     @classmethod
     def merge(cls, caches: Sequence[CacheList]) -> "BatchCacheList":
-        return cls(*(merge_entry([c.caches[i] for c in caches]) for i in range(len(caches[0].caches))))
+        return cls(*(merge_entries([c.caches[i] for c in caches]) for i in range(len(caches[0].caches))))
 
     def extend(self, other: CacheList) -> "BatchCacheList":
-        return BatchCacheList(*(extend_entry(a, b) for a, b in zip(self.caches, other.caches)))
+        """Other's rows after these, child by child, in place; returns self."""
+        self.caches = tuple(extend_entry(a, b) for a, b in zip(self.caches, other.caches))
+        return self
 
     def filter(self, indices: Sequence[int]) -> "BatchCacheList":
         return BatchCacheList(*(c.filter(indices) for c in self.caches))
@@ -584,8 +767,16 @@ class BatchCacheList(CacheList):
         for c in self.caches:
             c.make_room(num_new)
 
+    def prepare(self, **padding) -> None:
+        for c in self.caches:
+            c.prepare(**padding)
 
-class BatchSharedKVReader(SharedKVReader):
+    def finalize(self) -> None:
+        for c in self.caches:
+            c.finalize()
+
+
+class BatchSharedKVReader(_NotSaved, SharedKVReader):
     """SharedKVReader rows: nothing to stack, pad, drop or roll back."""
 
     @classmethod
@@ -611,47 +802,35 @@ class BatchSharedKVReader(SharedKVReader):
     def make_room(self, num_new: int) -> None:
         pass
 
+    def prepare(self, **padding) -> None:
+        pass  # holds no tokens, padded or not
+
+    def finalize(self) -> None:
+        pass
+
 
 # Which batched class holds rows of each cache class (exact types: any other kind
-# cannot be batched).
-BATCH_CLASSES = {
+# cannot be batched), in cache.py's registry (see there why).
+BATCH_CLASSES.update({
     KVCache: BatchKVCache,
     RotatingKVCache: BatchRotatingKVCache,
     QuantizedKVCache: BatchQuantizedKVCache,
     ArraysCache: BatchArraysCache,
     CacheList: BatchCacheList,
     SharedKVReader: BatchSharedKVReader,
-}
-BATCH_CLASSES[ChunkedKVCache] = BatchChunkedKVCache
-
-
-def batch_class(entry: Any):
-    cls = BATCH_CLASSES.get(type(entry))
-    if cls is None:
-        raise ValueError(
-            f"{type(entry).__name__} entries cannot be batched; batchable kinds: "
-            f"{', '.join(c.__name__ for c in BATCH_CLASSES)}"
-        )
-    return cls
-
-
-def merge_entry(entries: Sequence[Any]) -> Any:
-    """One layer's entries of several rows (ordinary caches) as one batched entry."""
-    kinds = sorted({type(e).__name__ for e in entries})
-    if len(kinds) > 1:
-        raise ValueError(f"one layer's rows hold different cache kinds ({', '.join(kinds)}); a batch needs one "
-                         "kind per layer (e.g. every row's KV quantized, or none)")
-    return batch_class(entries[0]).merge(entries)
+    ChunkedKVCache: BatchChunkedKVCache,
+})
 
 
 def extend_entry(batched: Any, rows: Any) -> Any:
-    """A batched entry followed by the rows of another batched entry of its kind."""
+    """A batched entry followed by the rows of another batched entry of its kind
+    (`batched`, extended in place)."""
     return batched.extend(rows)
 
 
 def merge_caches(row_caches: Sequence[List[Any]]) -> List[Any]:
     """Per-row cache lists (one entry per layer) -> one batched cache list."""
-    return [merge_entry([caches[layer] for caches in row_caches]) for layer in range(len(row_caches[0]))]
+    return [merge_entries([caches[layer] for caches in row_caches]) for layer in range(len(row_caches[0]))]
 
 
 def extend_caches(batched: List[Any], more: List[Any]) -> List[Any]:

@@ -11,7 +11,7 @@ between `start_speculation()` and `stop_speculation()` they keep a `RollbackLog`
 the forwards they took part in, and `trim(n)` rewinds through it exactly.
 """
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -125,6 +125,12 @@ class _BaseCache:
         obj.state = state
         obj.meta_state = meta_state
         return obj
+
+    @classmethod
+    def merge(cls, caches: Sequence["_BaseCache"]):
+        """Upstream's: one layer's caches of several sequences (one kind, whichever class
+        this is called on) as the batched cache holding them side by side."""
+        return merge_entries(caches)
 
 
 class _AppendOnlyCache(_BaseCache):
@@ -607,8 +613,22 @@ class ArraysCache(_BaseCache):
     needs_layer_records = True
     _rollbacks: Optional[RollbackLog] = None  # set while speculating
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, left_padding: Optional[Sequence[int]] = None):
+        # Upstream's batched recurrent caches mask padded inputs; the recurrent layers
+        # here read no mask (a batch prefills each row alone, then merges them), so
+        # padding would enter the state: it is refused, not ignored.
+        check_unpadded("left_padding", left_padding)
         self.cache: List[Optional[mx.array]] = [None] * size
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Upstream's step before a batched prefill of prompts padded to one length:
+        here only unpadded ones (see __init__), which need nothing; `lengths` then
+        equal the prompt lengths."""
+        check_unpadded("left_padding", left_padding)
+        check_unpadded("right_padding", right_padding)
+
+    def finalize(self) -> None:
+        """Upstream's step after a padded prefill: nothing was padded (prepare)."""
 
     @property
     def speculating(self) -> bool:
@@ -1050,3 +1070,57 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False):
     if return_metadata:
         return cache, metadata
     return cache
+
+
+# ---------------------------------------------------------------------------
+# Batched caches (upstream's names for the classes of models/batch_cache.py).
+#
+# The batched classes build on the ones here, so this module cannot import them:
+# batch_cache.py registers the class that batches each kind when it is imported (the
+# models package imports it first), and upstream's `KVCache.merge(caches)` and
+# `from mlx_lm.models.cache import BatchKVCache` reach them through the registry.
+
+BATCH_CLASSES: Dict[type, type] = {}  # exact cache class -> the class holding its rows
+
+
+def int_list(values) -> List[int]:
+    """Row numbers or counts given as a list or an mx.array, as Python ints."""
+    return values.tolist() if isinstance(values, mx.array) else [int(v) for v in values]
+
+
+def check_unpadded(name: str, padding) -> None:
+    """Recurrent caches take no padding (ArraysCache.__init__ says why)."""
+    if padding is not None and any(int_list(padding)):
+        raise ValueError(
+            f"a recurrent cache cannot take {name}={int_list(padding)}: the recurrent layers do not mask "
+            "padded tokens, so prefill each row alone and merge the rows (ArraysCache.merge)"
+        )
+
+
+def batch_class(entry: Any) -> type:
+    cls = BATCH_CLASSES.get(type(entry))
+    if cls is None:
+        raise ValueError(
+            f"{type(entry).__name__} entries cannot be batched; batchable kinds: "
+            f"{', '.join(c.__name__ for c in BATCH_CLASSES)}"
+        )
+    return cls
+
+
+def merge_entries(entries: Sequence[Any]) -> Any:
+    """One layer's entries of several rows (ordinary caches) as one batched entry."""
+    if not len(entries):
+        raise ValueError("merging caches needs the cache of at least one sequence, got none")
+    kinds = sorted({type(e).__name__ for e in entries})
+    if len(kinds) > 1:
+        raise ValueError(f"one layer's rows hold different cache kinds ({', '.join(kinds)}); a batch needs one "
+                         "kind per layer (e.g. every row's KV quantized, or none)")
+    return batch_class(entries[0]).merge(entries)
+
+
+def __getattr__(name: str):
+    """Upstream's batched class names (BatchKVCache, BatchRotatingKVCache, ...)."""
+    for cls in BATCH_CLASSES.values():
+        if cls.__name__ == name:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
