@@ -868,6 +868,15 @@ def make_prompt_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:
     return [RotatingKVCache(max_kv_size, keep=4) if type(c) is KVCache else c for c in cache]
 
 
+class RewindableCacheList(list):
+    """A model's cache list that can give back more than its entries can on their own
+    (models/checkpoints.py's CheckpointedCache, from snapshots): trim_prompt_cache asks
+    the list itself."""
+
+    def trim(self, num_tokens: int) -> int:
+        raise NotImplementedError
+
+
 def can_trim_prompt_cache(cache: List[Any]) -> bool:
     return all(c.is_trimmable() for c in cache)
 
@@ -877,7 +886,10 @@ def trim_prompt_cache(cache: List[Any], num_tokens: int) -> int:
 
     An untrimmable entry raises before anything is trimmed. Asking for more than an entry
     can give back raises from that entry; the entries of one model hold the same tokens,
-    so that is a caller's bug, never clamped away."""
+    so that is a caller's bug, never clamped away. A RewindableCacheList trims itself
+    (a CheckpointedCache also to a position it holds a snapshot of)."""
+    if isinstance(cache, RewindableCacheList):
+        return cache.trim(num_tokens)
     if not cache or num_tokens <= 0:
         return 0
     if not can_trim_prompt_cache(cache):
