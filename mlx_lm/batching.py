@@ -48,6 +48,7 @@ import mlx.nn as nn
 from .batch_drafters import MAX_LAG, BatchDraftModel, BatchMTPHead
 from .draft_length import DRAFT_LENGTHS, AcceptanceEstimate, BatchDraftLengthPolicy, LearnedBatchDraftLength
 from .drafters import DEFAULT_PREFILL_STEP_SIZE, PromptLookup
+from .generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
 from .models.batch_cache import (
     bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
@@ -59,22 +60,6 @@ from .utils import parameter_dtypes
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
-
-
-@dataclass
-class BatchStats:
-    """Totals of a batch run: prompt tokens and the time spent prefilling them,
-    generated tokens and the time spent decoding; peak memory in GB."""
-
-    prompt_tokens: int = 0
-    prompt_tps: float = 0.0
-    prompt_time: float = 0.0
-    generation_tokens: int = 0
-    generation_tps: float = 0.0
-    generation_time: float = 0.0
-    peak_memory: float = 0.0
-    draft_tokens: int = 0  # with prompt_lookup: drafts verified, and of them accepted
-    accepted_tokens: int = 0
 
 
 @dataclass
@@ -291,7 +276,8 @@ class BatchGenerator:
         self._tokens: Optional[mx.array] = None  # (B,) each row's token to feed next
         self._logprobs: List[Optional[mx.array]] = []  # the distribution of each
         self._emit: List[bool] = []  # whether that token is generated (else the prompt's last)
-        self._stats = BatchStats()
+        self._stats = BatchCounters()  # what stats() reports, since
+        self._created = BatchCountersSnapshot()
 
     # ------------------------------------------------------------------ admission
 
@@ -383,7 +369,8 @@ class BatchGenerator:
         self._stats.prompt_time += time.perf_counter() - tic
         tic = time.perf_counter()
         responses = self._decode_step()
-        self._stats.generation_time += time.perf_counter() - tic
+        self._stats.decode_time += time.perf_counter() - tic
+        self._stats.generation_steps += bool(responses)
         return progress, responses
 
     def next_generated(self) -> List[Response]:
@@ -793,11 +780,8 @@ class BatchGenerator:
         return {uid: extract_caches(self._caches, rows[uid]) for uid in uids if uid in rows}
 
     def stats(self) -> BatchStats:
-        s = self._stats
-        s.prompt_tps = s.prompt_tokens / s.prompt_time if s.prompt_time else 0.0
-        s.generation_tps = s.generation_tokens / s.generation_time if s.generation_time else 0.0
-        s.peak_memory = mx.get_peak_memory() / 1e9
-        return s
+        """What the generator did since it was made (generate_utils.BatchStats)."""
+        return BatchCountersSnapshot.between(self._created, BatchCountersSnapshot(**vars(self._stats)))
 
     def close(self) -> None:
         self._queued.clear()
