@@ -6,15 +6,25 @@ token sequence it has consumed. `fetch(tokens)` finds the entry sharing the long
 prefix with a new prompt and returns a private copy of it plus the tokens still to feed:
 
 - an entry whose key is a strict prefix of the prompt is used as is;
-- an entry that is longer than the prompt or diverges from it is used only if every one
-  of its cache entries is trimmable (`can_trim_prompt_cache`): the copy is trimmed back
-  to the common prefix. Recurrent states (ArraysCache) and sliding windows that have
-  wrapped cannot give tokens back outside speculation, so for them only strict
-  prefixes count (upstream mlx-lm issue #980); the server therefore also stores such a
-  cache at the end of each prompt, before generation.
+- an entry that is longer than the prompt or diverges from it is used if every one of
+  its cache entries is trimmable (`can_trim_prompt_cache`): the copy is trimmed back to
+  the common prefix;
+- else, if it is a CheckpointedCache (models/checkpoints.py), from its nearest snapshot
+  at or before the common prefix: its recurrent states and wrapped sliding windows come
+  from the snapshot, its KV entries are trimmed to it, and the prompt is fed from
+  there, exactly as a cold run feeds it. Without one, recurrent states (ArraysCache)
+  and wrapped sliding windows cannot give tokens back outside speculation, so for them
+  only strict prefixes count (upstream mlx-lm issue #980); the server therefore also
+  stores such a cache at the end of each prompt, before generation.
 - At least one prompt token is always left to feed, because generation starts from the
   logits of the last prompt token: an exact hit on a trimmable entry is trimmed by one,
-  and an exact hit on an untrimmable one is not used.
+  and an exact hit on an untrimmable one is not used (or resumes at a snapshot).
+
+`checkpointed(cache, prefill_step_size)` makes a fresh cache keep snapshots, within
+`checkpoint_share` of the byte budget each; the prefill loops take them
+(checkpoints.maybe_snapshot). Bytes count the snapshots once however many entries share
+them (a copy keeps its source's); over budget, the least recently used entry first loses
+its snapshots (it still serves strict-prefix and trimmable hits), then itself.
 
 Copies share the stored arrays instead of duplicating them. That is safe because MLX
 arrays are values: a cache writing `keys[..., a:b, :] = ...` replaces the array held by
@@ -27,21 +37,22 @@ Not thread-safe: the server touches it from its single generation thread only.
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .models.cache import CacheList, can_trim_prompt_cache, trim_prompt_cache
+from .models.cache import can_trim_prompt_cache, trim_prompt_cache
+from .models.checkpoints import CheckpointedCache, Snapshot, always_trimmable, copy_entry
+
+# Upstream's cache types (LRUPromptCache.insert_cache), which stats_by_type reports.
+CACHE_TYPES = ("assistant", "user", "system")
 
 
 def copy_prompt_cache(prompt_cache: List[Any]) -> List[Any]:
     """A cache list holding the same tokens whose entries can be fed independently of
-    the original's; rebuilt through each class's `from_state` (CacheList recurses)."""
-    return [_copy_entry(c) for c in prompt_cache]
-
-
-def _copy_entry(entry: Any) -> Any:
-    if isinstance(entry, CacheList):
-        return CacheList(*(_copy_entry(c) for c in entry.caches))
-    return type(entry).from_state(entry.state, entry.meta_state)
+    the original's; rebuilt through each class's `from_state` (CacheList recurses). A
+    CheckpointedCache's copy shares its snapshots."""
+    if isinstance(prompt_cache, CheckpointedCache):
+        return prompt_cache.copy_at(prompt_cache.held_tokens())
+    return [copy_entry(c) for c in prompt_cache]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -56,8 +67,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass
 class CacheEntry:
     prompt_cache: List[Any]
-    nbytes: int
+    nbytes: int  # of its cache entries (snapshots: LRUPromptCache._snapshot_users)
     trimmable: bool
+    cache_type: str = "assistant"
+
+    def snapshots(self) -> List[Snapshot]:
+        cache = self.prompt_cache
+        return list(cache.snapshots.values()) if isinstance(cache, CheckpointedCache) else []
 
 
 @dataclass
@@ -70,22 +86,31 @@ class FetchResult:
     num_cached: int
 
 
+_NO_MODEL = object()
+
+
 class LRUPromptCache:
-    """At most `max_size` entries and `max_bytes` bytes of caches; the least recently
-    inserted or fetched entry is evicted first, and an entry larger than `max_bytes` on
-    its own is not stored (it would evict everything else and then itself). Entries
+    """At most `max_size` entries and `max_bytes` bytes of caches and their snapshots;
+    the least recently inserted or fetched entry is evicted first, and an entry larger
+    than `max_bytes` on its own is not stored (it would evict everything else and then
+    itself). A cache's snapshots may take `checkpoint_share` of `max_bytes`. Entries
     are searched linearly: a server keeps a handful, and one pass over each key is
     cheap next to one forward."""
 
-    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, checkpoint_share: float = 0.5):
         if max_size < 0:
             raise ValueError(f"max_size must be >= 0, got {max_size}")
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if not 0 <= checkpoint_share <= 1:
+            raise ValueError(f"checkpoint_share must be within [0, 1], got {checkpoint_share}")
         self.max_size = max_size
         self.max_bytes = max_bytes
+        self.checkpoint_share = checkpoint_share
         self._entries: "OrderedDict[Tuple[int, ...], CacheEntry]" = OrderedDict()
-        self._nbytes = 0  # sum of the entries' nbytes
+        self._nbytes = 0  # the entries' nbytes plus each held snapshot's once
+        self._snapshot_users: Dict[int, List[Any]] = {}  # id(snapshot) -> [snapshot, entries holding it]
+        self._model = _NO_MODEL  # the model key upstream's method names were given
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,18 +122,38 @@ class LRUPromptCache:
     def nbytes(self) -> int:
         return self._nbytes
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """What the snapshots of one cache may take."""
+        return int(self.max_bytes * self.checkpoint_share)
+
     def keys(self) -> List[Tuple[int, ...]]:
         """Stored token sequences, least recently used first."""
         return list(self._entries)
+
+    def checkpointed(self, prompt_cache: List[Any], prefill_step_size: int) -> List[Any]:
+        """An empty cache list as a CheckpointedCache on the grid of `prefill_step_size`
+        (the prefill's own step), within checkpoint_bytes; as it is where every entry
+        trims anyway or nothing would be stored."""
+        if self.max_size == 0 or self.checkpoint_bytes == 0 or all(always_trimmable(c) for c in prompt_cache):
+            return prompt_cache
+        if isinstance(prompt_cache, CheckpointedCache) or not all(
+            c.empty() for c in prompt_cache if not always_trimmable(c)
+        ):
+            raise ValueError("checkpointed() takes a fresh cache list (make_prompt_cache): it counts from its first token")
+        return CheckpointedCache(prompt_cache, prefill_step_size, self.checkpoint_bytes)
 
     def _reusable_length(self, key: Tuple[int, ...], entry: CacheEntry, tokens: Sequence[int]) -> int:
         """How many leading prompt tokens this entry can supply (0: none)."""
         common = common_prefix_length(key, tokens)
         if common == len(key) < len(tokens):
             return common  # a strict prefix: no trimming
-        if not entry.trimmable:
-            return 0
-        return min(common, len(tokens) - 1)
+        limit = min(common, len(tokens) - 1)
+        if entry.trimmable:
+            return limit
+        if isinstance(entry.prompt_cache, CheckpointedCache):
+            return entry.prompt_cache.nearest(limit) or 0
+        return 0
 
     def fetch(self, tokens: Sequence[int]) -> FetchResult:
         """The best reusable entry for a prompt of `tokens` (see the module docstring)."""
@@ -122,11 +167,15 @@ class LRUPromptCache:
         if best_key is None:
             return FetchResult(None, tokens, 0)
         self._entries.move_to_end(best_key)
-        prompt_cache = copy_prompt_cache(self._entries[best_key].prompt_cache)
-        trim_prompt_cache(prompt_cache, len(best_key) - best_length)
+        entry = self._entries[best_key]
+        if best_length < len(best_key) and not entry.trimmable:
+            prompt_cache = entry.prompt_cache.copy_at(best_length)  # from a snapshot
+        else:
+            prompt_cache = copy_prompt_cache(entry.prompt_cache)
+            trim_prompt_cache(prompt_cache, len(best_key) - best_length)
         return FetchResult(prompt_cache, tokens[best_length:], best_length)
 
-    def insert(self, tokens: Sequence[int], prompt_cache: List[Any]) -> bool:
+    def insert(self, tokens: Sequence[int], prompt_cache: List[Any], *, cache_type: str = "assistant") -> bool:
         """Store `prompt_cache`, which holds exactly `tokens`, taking ownership of it:
         the caller must not feed it again. A trimmable entry makes the stored entries at
         strict prefixes of its key redundant, so they are dropped. Returns False, storing
@@ -135,6 +184,10 @@ class LRUPromptCache:
         key = tuple(tokens)
         if not key:
             raise ValueError("cannot store a prompt cache for an empty token sequence")
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
+        if isinstance(prompt_cache, CheckpointedCache):
+            prompt_cache.count_as(len(key))
         nbytes = sum(c.nbytes for c in prompt_cache)
         if nbytes > self.max_bytes or self.max_size == 0:
             return False
@@ -144,19 +197,76 @@ class LRUPromptCache:
                 self._remove(other)
         if key in self._entries:
             self._remove(key)
-        self._entries[key] = CacheEntry(prompt_cache, nbytes, trimmable)
+        self._entries[key] = entry = CacheEntry(prompt_cache, nbytes, trimmable, cache_type)
         self._nbytes += nbytes
+        self._hold(entry.snapshots())
         self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
         return True
 
+    def _hold(self, snapshots: List[Snapshot]) -> None:
+        for snapshot in snapshots:
+            users = self._snapshot_users.setdefault(id(snapshot), [snapshot, 0])
+            self._nbytes += snapshot.nbytes if users[1] == 0 else 0
+            users[1] += 1
+
+    def _release(self, snapshots: List[Snapshot]) -> None:
+        for snapshot in snapshots:
+            users = self._snapshot_users[id(snapshot)]
+            users[1] -= 1
+            if users[1] == 0:
+                del self._snapshot_users[id(snapshot)]
+                self._nbytes -= snapshot.nbytes
+
     def _remove(self, key: Tuple[int, ...]) -> None:
-        self._nbytes -= self._entries.pop(key).nbytes
+        entry = self._entries.pop(key)
+        self._nbytes -= entry.nbytes
+        self._release(entry.snapshots())
+
+    def _drop_snapshots(self, entry: CacheEntry) -> None:
+        self._release(entry.snapshots())
+        entry.prompt_cache.snapshots = {}
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         """Evict least recently used entries until at most `n_sequences` entries and
-        `n_bytes` bytes remain."""
-        while self._entries and (
-            (n_sequences is not None and len(self._entries) > n_sequences)
-            or (n_bytes is not None and self._nbytes > n_bytes)
-        ):
+        `n_bytes` bytes remain; over bytes, an entry first loses its snapshots."""
+        while n_sequences is not None and len(self._entries) > max(n_sequences, 0):
             self._remove(next(iter(self._entries)))
+        while self._entries and n_bytes is not None and self._nbytes > n_bytes:
+            oldest = next(iter(self._entries.values()))
+            if oldest.snapshots():
+                self._drop_snapshots(oldest)
+            else:
+                self._remove(next(iter(self._entries)))
+
+    # Upstream's method names (its LRUPromptCache keys entries by model too).
+
+    def _check_model(self, model: Any) -> None:
+        if self._model is _NO_MODEL:
+            self._model = model
+        elif model != self._model:
+            raise ValueError(f"this LRUPromptCache holds caches of model {self._model!r}, not {model!r}: "
+                             "keep one LRUPromptCache per model")
+
+    def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
+        """fetch() as upstream names it: (a private copy or None, the tokens still to
+        feed). Unlike upstream's, an exact hit leaves its last token to feed, as every
+        hit here does: generation starts from that token's logits."""
+        self._check_model(model)
+        got = self.fetch(tokens)
+        return got.prompt_cache, got.remaining
+
+    def insert_cache(self, model: Any, tokens: Sequence[int], prompt_cache: List[Any], *,
+                     cache_type: str = "assistant") -> None:
+        """insert() as upstream names it; `cache_type` is only counted (stats_by_type):
+        eviction here is least recently used whatever the type."""
+        self._check_model(model)
+        self.insert(tokens, prompt_cache, cache_type=cache_type)
+
+    def stats_by_type(self) -> Dict[str, Dict[str, int]]:
+        """Per cache type: {"n_sequences", "n_bytes"} (an entry's bytes with its
+        snapshots'; a snapshot two entries share counts in both)."""
+        stats = {t: {"n_sequences": 0, "n_bytes": 0} for t in CACHE_TYPES}
+        for entry in self._entries.values():
+            stats[entry.cache_type]["n_sequences"] += 1
+            stats[entry.cache_type]["n_bytes"] += entry.nbytes + sum(s.nbytes for s in entry.snapshots())
+        return stats

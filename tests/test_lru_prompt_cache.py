@@ -9,6 +9,7 @@ from checkpoints import TINY_CONFIGS, write_checkpoint
 
 from mlx_lm.generate import generate_step
 from mlx_lm.lru_prompt_cache import LRUPromptCache, common_prefix_length, copy_prompt_cache
+from mlx_lm.models.checkpoints import CheckpointedCache, maybe_snapshot
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -252,3 +253,87 @@ def test_reused_entry_continues_exactly_and_repeatably(model_dirs, family):
     fresh = make_prompt_cache(model)
     continue_greedy(model, fresh, first_turn)  # the same forwards that built the entry
     assert continue_greedy(model, fresh, [40, 41, 42]) == outputs[0]
+
+
+# --- checkpointed entries (models/checkpoints.py) ---------------------------------------
+
+CHUNK = 4
+
+
+def checkpointed_entry(num_chunks, max_bytes=1 << 40):
+    """A KV layer and a recurrent one fed `num_chunks` chunks the way a prefill does,
+    the recurrent state after chunk i filled with i (so a restored state tells which)."""
+    cache = CheckpointedCache([KVCache(), ArraysCache(1)], CHUNK, max_bytes)
+    for i in range(1, num_chunks + 1):
+        cache[0].update_and_fetch(*kv(CHUNK, i))
+        cache[1][0] = mx.full((1, 8, 16), float(i))
+        maybe_snapshot(cache, CHUNK)
+    return cache
+
+
+def test_a_diverging_prompt_resumes_at_the_nearest_snapshot():
+    lru = LRUPromptCache()
+    key = list(range(1, 4 * CHUNK + 1))  # 16 tokens: snapshots at 4, 8, 12, 16
+    lru.insert(key, checkpointed_entry(4))
+    got = lru.fetch(key[:10] + [99, 98])
+    assert (got.num_cached, got.remaining) == (8, key[8:10] + [99, 98])
+    assert got.prompt_cache[0].offset == 8 and got.prompt_cache[1][0][0, 0, 0].item() == 2.0
+    assert got.prompt_cache.positions() == [4, 8]
+    got = lru.fetch(key)  # an exact hit keeps a token to feed: the snapshot before it
+    assert (got.num_cached, got.prompt_cache[1][0][0, 0, 0].item()) == (12, 3.0)
+    assert lru.fetch([5, 6, 7]).prompt_cache is None
+    # The copies were fed nothing the stored entry sees.
+    assert lru.fetch(key + [1]).prompt_cache[1][0][0, 0, 0].item() == 4.0
+
+
+def test_snapshots_count_once_and_go_before_their_entry():
+    entry = checkpointed_entry(4)
+    copy = copy_prompt_cache(entry)  # shares entry's snapshots (its KV rows are sliced to 16)
+    own, own_copy, snapshots = sum(c.nbytes for c in entry), sum(c.nbytes for c in copy), entry.snapshot_bytes
+    key = list(range(16))
+    lru = LRUPromptCache()
+    lru.insert(key[:-1] + [0], copy)
+    lru.insert(key, entry)
+    assert lru.nbytes == own + own_copy + snapshots
+    assert lru.stats_by_type()["assistant"] == {"n_sequences": 2, "n_bytes": own + own_copy + 2 * snapshots}
+    # Over budget the oldest entry loses its snapshots first (shared: nothing freed
+    # yet), then itself; the newest keeps serving strict-prefix hits without its own.
+    lru.trim_to(n_bytes=own + snapshots)
+    assert lru.keys() == [tuple(key)] and lru.nbytes == own + snapshots
+    lru.trim_to(n_bytes=own)
+    assert lru.keys() == [tuple(key)] and lru.nbytes == own
+    assert lru.fetch(key + [5]).num_cached == 16
+    assert lru.fetch(key[:10] + [99]).prompt_cache is None
+    assert LRUPromptCache(max_bytes=own).insert(key, checkpointed_entry(4))  # fits: it drops its snapshots
+
+
+def test_checkpointed_wraps_only_fresh_untrimmable_caches():
+    lru = LRUPromptCache()
+    kv_only = [KVCache()]
+    assert lru.checkpointed(kv_only, 8) is kv_only  # trims anyway
+    wrapped = lru.checkpointed([KVCache(), ArraysCache(2)], 8)
+    assert isinstance(wrapped, CheckpointedCache) and wrapped.max_bytes == lru.max_bytes // 2
+    with pytest.raises(ValueError, match="takes a fresh cache list"):
+        lru.checkpointed(hybrid_entry(3), 8)
+    plain = [KVCache(), ArraysCache(2)]
+    assert LRUPromptCache(checkpoint_share=0).checkpointed(plain, 8) is plain
+    with pytest.raises(ValueError, match="checkpoint_share must be within"):
+        LRUPromptCache(checkpoint_share=1.5)
+
+
+def test_upstream_method_names():
+    lru = LRUPromptCache()
+    lru.insert_cache("model-a", [1, 2, 3], kv_entry(3), cache_type="system")
+    prompt_cache, rest = lru.fetch_nearest_cache("model-a", [1, 2, 3, 4])
+    assert prompt_cache[0].offset == 3 and rest == [4]
+    prompt_cache, rest = lru.fetch_nearest_cache("model-a", [1, 2, 3])  # unlike upstream: one left to feed
+    assert prompt_cache[0].offset == 2 and rest == [3]
+    assert lru.fetch_nearest_cache("model-a", [7]) == (None, [7])
+    stats = lru.stats_by_type()
+    assert stats["system"] == {"n_sequences": 1, "n_bytes": lru.nbytes}
+    assert stats["user"] == stats["assistant"] == {"n_sequences": 0, "n_bytes": 0}
+    with pytest.raises(ValueError, match="holds caches of model 'model-a', not 'model-b'"):
+        lru.fetch_nearest_cache("model-b", [1])
+    with pytest.raises(ValueError, match="cache_type must be one of assistant, user, system, got 'tool'"):
+        lru.insert_cache("model-a", [5], kv_entry(1), cache_type="tool")
+    assert lru.keys() == [(1, 2, 3)]
