@@ -53,6 +53,7 @@ from .models.batch_cache import (
     bookkeeping, extend_caches, extract_caches, filter_caches, make_room, merge_caches, trim_rows,
 )
 from .models.cache import make_prompt_cache
+from .models.checkpoints import maybe_snapshot
 from .sample_utils import CategoricalSampler, make_sampler
 from .speculative import SpeculationStats
 from .tokenizer_utils import TokenizerWrapper
@@ -422,6 +423,7 @@ class BatchGenerator:
         if self._drafter is not None:
             s.draft_pending = self._drafter.prefill(s.cache[self._num_target :], tokens, hidden, s.draft_pending)
         mx.eval([c.state for c in s.cache], s.draft_pending)
+        maybe_snapshot(s.cache, tokens.size - 1)  # a CheckpointedCache's snapshots (issue 33)
 
     def _first_alone(self, s: _Sequence) -> None:
         self._round_timed = False

@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .models.cache import check_kv_quantization, maybe_quantize_kv_cache, trim_prompt_cache
+from .models.checkpoints import maybe_snapshot
 from .sample_utils import CategoricalSampler
 
 Processors = List[Callable[[mx.array, mx.array], mx.array]]
@@ -108,6 +109,7 @@ def prefill(
     tokens' embeddings; `prompt` is then the T tokens they stand for, or empty."""
     total = prompt.size if input_embeddings is None else input_embeddings.shape[0]
     done = 0
+    maybe_snapshot(prompt_cache, 0)  # a CheckpointedCache's snapshots (issue 33)
     while total - done > 1:
         n = min(prefill_step_size, total - done - 1)
         rows = {} if input_embeddings is None else {"input_embeddings": input_embeddings[done : done + n][None]}
@@ -116,6 +118,7 @@ def prefill(
             quantize_kv(prompt_cache)
         mx.eval([c.state for c in prompt_cache])
         done += n
+        maybe_snapshot(prompt_cache, n)
         progress(done, total)
         mx.clear_cache()
     return prompt[done:]

@@ -67,6 +67,7 @@ from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .chat_output import ChatPlan, forced_call_prefix, plan_chat, template_tools
 from .metrics import Metrics
 from .models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+from .models.checkpoints import SnapshottingProgress
 from .openai_api import (
     DEFAULT_MODEL_NAME,
     GenerationRequest,
@@ -289,6 +290,8 @@ class ServedModel:
         `generate.prefill`, so the caches are the ones `stream_generate` would build."""
         num_target = len(self.model.layers)
         prompt = mx.array(tokens)
+        if not self.mtp:  # a CheckpointedCache's snapshots (issue 33); the head's pairs would not resume
+            progress = SnapshottingProgress(prompt_cache, progress)
         if self.mtp:
             # The head takes the target's hidden states chunk by chunk, and the pair of
             # the last token too: the run that continues this cache begins after it.
@@ -539,7 +542,8 @@ class GenerationWorker:
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
         fetched = served.prompt_cache.fetch(tokens)
-        prompt_cache = fetched.prompt_cache or served.make_cache()
+        # A fresh cache keeps snapshots of its recurrent states: later prompts resume inside it (issue 33).
+        prompt_cache = fetched.prompt_cache or served.prompt_cache.checkpointed(served.make_cache(), self.prefill_step_size)
         # Prefilled here, not by stream_generate, whose draft prefill cannot be cancelled.
         progress = self._progress(job, fetched.num_cached, len(tokens))
         lru = served.prompt_cache
@@ -738,9 +742,10 @@ class BatchWorker(GenerationWorker):
         sampler, processors = self._sampling(served, request)
         fetched = served.prompt_cache.fetch(tokens)
         seeded = request.seed is not None and request.sampling["temp"] > 0
+        cache = fetched.prompt_cache or served.prompt_cache.checkpointed(served.make_cache(), self.prefill_step_size)
         # Penalties and lookups also see the part of the prompt already in the cache.
         uid = self.generator.insert(
-            [fetched.remaining], [max_tokens], caches=[fetched.prompt_cache or served.make_cache()],
+            [fetched.remaining], [max_tokens], caches=[cache],
             cached_tokens=[tokens[: fetched.num_cached]], samplers=[sampler], logits_processors=[processors],
             seeds=[request.seed % (1 << 64) if seeded else None], num_draft_tokens=[request.num_draft_tokens],
         )[0]
