@@ -82,6 +82,9 @@ from .connection_slots import ConnectionSlot, ConnectionSlots, Evicted
 from . import server_embedding
 # Upstream's embedding API, for `from mlx_lm.server import ...` (server_embedding.py).
 from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments  # noqa: F401
+from .server_embedding import (  # noqa: F401  (upstream's request API of ResponseGenerator.generate)
+    CompletionRequest, GenerationArguments, GenerationContext, LogitsProcessorArguments, ModelDescription, Response,
+)
 from .utils import compute_dtype, parameter_dtypes
 from .drafters import DEFAULT_PREFILL_STEP_SIZE
 from .fast_blas import blas_line

@@ -397,10 +397,13 @@ class TokenizerWrapper:
     def apply_chat_template(self, messages: List[Dict[str, Any]], **kwargs: Any):
         """Render ``messages`` with the tokenizer's (or the override) template.
 
-        Defaults to ``tokenize=True, return_dict=False``, i.e. a list of ids.
+        Defaults to ``tokenize=True, return_dict=False``, i.e. a list of ids, and, as
+        upstream, ``enable_thinking=has_thinking``: templates that can turn reasoning
+        off (Qwen3's) get it on for models with reasoning markers, off otherwise.
         """
         kwargs.setdefault("tokenize", True)
         kwargs.setdefault("return_dict", False)
+        kwargs.setdefault("enable_thinking", self.has_thinking)
         if self._chat_template is not None:
             kwargs.setdefault("chat_template", self._chat_template)
         return self._tokenizer.apply_chat_template(messages, **kwargs)

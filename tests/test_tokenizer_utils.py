@@ -348,3 +348,19 @@ def test_chat_template_override(spm):
         tokenize=False,
     )
     assert rendered == "[a][b]"
+
+
+def test_enable_thinking_defaults_to_has_thinking_as_upstream(bpe_dir, tmp_path):
+    """Upstream passes enable_thinking=has_thinking unless the caller sets it."""
+    template = "{{ 'on' if enable_thinking else 'off' }}"
+    messages = [{"role": "user", "content": "hi"}]
+    plain = TokenizerWrapper(load(bpe_dir).tokenizer, chat_template=template)
+    assert not plain.has_thinking
+    assert plain.apply_chat_template(messages, tokenize=False) == "off"
+    shutil.copytree(bpe_dir, tmp_path / "thinking")
+    hf = load(tmp_path / "thinking").tokenizer
+    hf.add_tokens(["<think>", "</think>"], special_tokens=True)
+    thinking = TokenizerWrapper(hf, chat_template=template)
+    assert thinking.has_thinking
+    assert thinking.apply_chat_template(messages, tokenize=False) == "on"
+    assert thinking.apply_chat_template(messages, tokenize=False, enable_thinking=False) == "off"
