@@ -609,10 +609,14 @@ def load_model(
     lazy: bool = False,
     strict: bool = True,
     model_config: Optional[Dict[str, Any]] = None,
-    dtype: Optional[mx.Dtype] = None,
+    get_model_classes: Callable[[Dict[str, Any]], Tuple[type, type]] = get_model_classes,
     trust_remote_code: bool = False,
+    *,
+    dtype: Optional[mx.Dtype] = None,
 ) -> Tuple[nn.Module, Dict[str, Any]]:
     """Build the model of `model_path` and load its weights; returns (model, config).
+    `get_model_classes(config)` gives the (Model, ModelArgs) classes (upstream's hook
+    for a custom architecture; default: the family config["model_type"] names).
     `trust_remote_code` is upstream's opt-in to a checkpoint's own model code
     (config "model_file"); this package refuses such checkpoints either way.
 

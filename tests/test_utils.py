@@ -250,3 +250,23 @@ def test_load_model_takes_trust_remote_code_and_still_runs_no_model_code(tmp_pat
     for trust in (False, True):
         with pytest.raises(ValueError, match="arch.py.*never runs.*trust_remote_code"):
             load_model(tmp_path / "custom", trust_remote_code=trust)
+
+
+def test_load_model_builds_the_classes_get_model_classes_gives(tiny_llama_dir):
+    """Upstream's hook for a custom architecture: a subclass of the family, say."""
+    from mlx_lm.models import llama
+
+    class Custom(llama.Model):
+        marker = "custom"
+
+    seen = []
+
+    def custom_classes(config):
+        seen.append(config["model_type"])
+        return Custom, llama.ModelArgs
+
+    model, _ = load_model(tiny_llama_dir, get_model_classes=custom_classes)
+    assert type(model) is Custom and seen == ["llama"]
+    plain, _ = load_model(tiny_llama_dir)
+    tokens = mx.array([[1, 2, 3]])
+    assert mx.array_equal(model(tokens), plain(tokens))
