@@ -26,8 +26,8 @@ from mlx_lm.utils import load_model, quantize_model
 MLA = dict(num_attention_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 FAMILY = Family(
     fixtures=["longcat_flash_tf4", "longcat_flash_tf5"],
-    tiny=dict(MLA, model_type="longcat_flash", hidden_size=64, num_layers=2, ffn_hidden_size=64, q_lora_rank=32,
-              kv_lora_rank=32, n_routed_experts=4, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=32,
+    tiny=dict(MLA, model_type="longcat_flash", hidden_size=64, num_layers=2, ffn_hidden_size=128, q_lora_rank=16,
+              kv_lora_rank=16, n_routed_experts=4, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=32,
               routed_scaling_factor=2.0, vocab_size=VOCAB_SIZE, eos_token_id=0),
     small=dict(MLA, model_type="longcat_flash", hidden_size=32, num_layers=1, num_attention_heads=2, ffn_hidden_size=48,
                q_lora_rank=16, kv_lora_rank=16, n_routed_experts=2, zero_expert_num=1, moe_topk=2,

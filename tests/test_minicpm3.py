@@ -33,7 +33,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_fact
 MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8)
 FAMILY = Family(
     fixtures=["minicpm3_tf4", "minicpm3_tf5"],
-    tiny=dict(MLA, model_type="minicpm3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    tiny=dict(MLA, model_type="minicpm3", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
               q_lora_rank=32, scale_emb=2.0, dim_model_base=16, max_position_embeddings=128, rope_theta=10000.0,
               rope_scaling=LONGROPE, vocab_size=VOCAB_SIZE, tie_word_embeddings=False, eos_token_id=0),
     small=dict(MLA, model_type="minicpm3", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
