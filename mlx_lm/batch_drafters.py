@@ -13,7 +13,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import check_mtp_head, ids_within
+from .drafters import check_mtp_head
+from .feeding import ids_within
 from .models.batch_cache import bookkeeping, make_room, trim_rows
 from .models.cache import make_prompt_cache
 

@@ -41,7 +41,7 @@ from .cli_args import (
     positive_int,
     prompt_text,
 )
-from .drafters import DEFAULT_PREFILL_STEP_SIZE
+from .feeding import DEFAULT_PREFILL_STEP_SIZE
 from .models.cache import (
     can_trim_prompt_cache,
     check_kv_quantization,

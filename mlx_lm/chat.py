@@ -34,7 +34,8 @@ import mlx.nn as nn
 
 from .cache_prompt import fill_cache
 from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int, str2bool
-from .drafters import PromptLookup, ids_within
+from .drafters import PromptLookup
+from .feeding import ids_within
 from .generate import GenerationResponse, check_same_tokenizer, stream_generate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import KVCache, make_prompt_cache

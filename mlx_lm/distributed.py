@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
-from .drafters import on_generation_stream
+from .feeding import on_generation_stream
 
 
 def world() -> mx.distributed.Group:

@@ -27,7 +27,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from . import distributed
-from .drafters import on_generation_stream
+from .feeding import on_generation_stream
 from .serving import GenerationResult, GenerationWorker, Job, ModelProvider
 
 log = logging.getLogger(__name__)

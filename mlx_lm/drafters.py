@@ -1,207 +1,22 @@
-"""Drafting for speculative decoding: the drafters and the acceptance rules (the draft
-length: draft_length.py).
+"""Drafters for speculative decoding (DESIGN.md §3a): each proposes the next tokens of a
+sequence for the target to verify. `DraftModel` (a smaller model sharing the target's
+tokenizer), `PromptLookup` (n-gram lookup in the tokens seen so far, no model) and
+`MTPHead` (the target's own multi-token-prediction head, fed the target's hidden
+states). The loop that verifies, accepts, rolls back and reports is written once for
+all (speculative.py), the acceptance rules too (acceptance.py); feeding a model and
+its cache lives in feeding.py."""
 
-Drafters (DESIGN.md §3a) propose the next tokens of a sequence for the target to verify:
-`DraftModel` (a smaller model sharing the target's tokenizer), `PromptLookup`
-(n-gram lookup in the tokens seen so far, no model) and `MTPHead` (the target's own
-multi-token-prediction head, fed the target's hidden states). The loop that verifies,
-accepts, rolls back and reports (generate.speculative_generate_step) is written once
-for all.
-
-Speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023,
-arXiv:2302.01318): the draft proposes x_1..x_K, each drawn from its law q_i; the
-target's laws p_1..p_{K+1} come from one forward. x_i is accepted with probability
-min(1, p_i(x_i) / q_i(x_i)); at the first rejection the token is drawn from
-norm(max(0, p_i - q_i)) instead, and after K acceptances a bonus token is drawn from
-p_{K+1}. Each emitted token then has exactly the target's law, and a draft is accepted
-with probability sum_x min(p_i(x), q_i(x)). A point-mass drafter (prompt lookup) is
-the case q_i = one-hot(x_i): x_i is accepted with probability p_i(x_i). The acceptance
-functions take log-probabilities and allow leading batch dimensions (`...`).
-"""
-
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models.cache import check_kv_quantization, maybe_quantize_kv_cache, trim_prompt_cache
-from .models.checkpoints import maybe_snapshot
+from .feeding import CachedModel, Processors, on_generation_stream, prefill, processed_logprobs
+from .models.cache import trim_prompt_cache
 from .sample_utils import CategoricalSampler
 
-Processors = List[Callable[[mx.array, mx.array], mx.array]]
 
-# All generation runs on this stream (upstream's name; `mlx_lm.generate.generation_stream`),
-# one per thread, so that a server's worker thread never shares it.
-generation_stream = mx.new_thread_local_stream(mx.default_device())
-
-
-def on_generation_stream(fn):
-    """Build (and evaluate) `fn`'s work on generation_stream."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with mx.stream(generation_stream):
-            return fn(*args, **kwargs)
-
-    return run
-
-# ---------------------------------------------------------------------------
-# Feeding a model and its cache
-# ---------------------------------------------------------------------------
-
-
-def check_generation_args(
-    prompt: mx.array, max_tokens: int, prefill_step_size: int, input_embeddings: Optional[mx.array] = None
-) -> None:
-    if input_embeddings is not None:
-        _check_input_embeddings(prompt, input_embeddings)
-    elif prompt.ndim != 1 or prompt.size == 0:
-        raise ValueError(f"prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}")
-    if max_tokens != -1 and max_tokens < 1:
-        raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
-    if prefill_step_size < 1:
-        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
-
-
-def _check_input_embeddings(prompt: mx.array, input_embeddings: mx.array) -> None:
-    if input_embeddings.ndim != 2 or input_embeddings.shape[0] == 0:
-        raise ValueError(f"input_embeddings must be (prompt length, hidden size), got shape {input_embeddings.shape}")
-    if prompt.ndim != 1 or prompt.size not in (0, input_embeddings.shape[0]):
-        raise ValueError(
-            f"prompt ({prompt.size} tokens) and input_embeddings ({input_embeddings.shape[0]} rows) must have the "
-            "same length, or the prompt be empty"
-        )
-
-
-def kv_quantizer(
-    prompt_cache: List[Any], kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int
-) -> Callable[[List[Any]], None]:
-    """Check the KV quantization settings against the cache before any work; returns
-    the function that quantizes a cache list's entries once they are long enough."""
-    if kv_bits is not None:
-        check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
-    return functools.partial(
-        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
-    )
-
-
-# Prompt tokens per prefill forward, for every loop (plain, speculative, batched, the
-# server's): one chunking, so a prompt gives the same caches, bit for bit, in each.
-DEFAULT_PREFILL_STEP_SIZE = 2048
-
-
-@on_generation_stream
-def prefill(
-    model: nn.Module,
-    prompt: mx.array,
-    prompt_cache: List[Any],
-    prefill_step_size: int,
-    progress: Callable[[int, int], None],
-    quantize_kv: Optional[Callable[[List[Any]], None]] = None,
-    input_embeddings: Optional[mx.array] = None,
-) -> mx.array:
-    """Feed all prompt positions but the last through the model in chunks; return the
-    tokens still to feed (the last one, whose logits start generation).
-    `quantize_kv(prompt_cache)` runs after each chunk (see maybe_quantize_kv_cache).
-    With `input_embeddings` (T, hidden) the model takes those rows instead of the
-    tokens' embeddings; `prompt` is then the T tokens they stand for, or empty."""
-    total = prompt.size if input_embeddings is None else input_embeddings.shape[0]
-    done = 0
-    maybe_snapshot(prompt_cache, 0)  # a CheckpointedCache's snapshots (issue 33)
-    while total - done > 1:
-        n = min(prefill_step_size, total - done - 1)
-        rows = {} if input_embeddings is None else {"input_embeddings": input_embeddings[done : done + n][None]}
-        model(prompt[done : done + n][None], cache=prompt_cache, **rows)
-        if quantize_kv is not None:
-            quantize_kv(prompt_cache)
-        mx.eval([c.state for c in prompt_cache])
-        done += n
-        maybe_snapshot(prompt_cache, n)
-        progress(done, total)
-        mx.clear_cache()
-    return prompt[done:]
-
-
-def ids_within(tokens: mx.array, table_size: int) -> mx.array:
-    """`tokens` with ids beyond an embedding table of `table_size` rows replaced by 0
-    (a draft with a smaller table than the target's; see CachedModel)."""
-    return mx.where(tokens < table_size, tokens, 0)
-
-
-@dataclass
-class CachedModel:
-    """One model of a speculative run and what its cache holds: the first `num_held`
-    tokens of the sequence, then `num_fed` more fed this round, not yet accepted.
-
-    Logits come out with `num_columns` columns, the target's vocabulary: a draft with a
-    larger table loses the extra columns, a smaller one gets -inf columns, so the draft
-    never proposes an id the target's table lacks and processors and samplers always
-    see the target's shape. Ids beyond this model's own table (a draft with a smaller
-    table, fed a padding-row id the target committed: no tokenizer has it, only an odd
-    target emits one) are fed as id 0: the draft's guesses after it may be worse, the
-    output is still the target's.
-    """
-
-    model: nn.Module
-    cache: List[Any]
-    table_size: int
-    num_columns: int
-    num_held: int = 0
-    num_fed: int = 0
-
-    def model_ids(self, tokens: mx.array) -> mx.array:
-        return tokens if self.table_size >= self.num_columns else ids_within(tokens, self.table_size)
-
-    def forward(self, tokens: mx.array) -> mx.array:
-        """Logits (T, num_columns) after each of `tokens` (1-D). MLX writes the cache
-        while it builds the graph, so the tokens count as fed when the call returns,
-        before anything that can still fail (processors, sampler, the sync)."""
-        logits = self.model(self.model_ids(tokens)[None], cache=self.cache)[0]
-        self.num_fed += tokens.size
-        if self.table_size > self.num_columns:
-            return logits[:, : self.num_columns]
-        if self.table_size < self.num_columns:
-            missing = mx.full((logits.shape[0], self.num_columns - self.table_size), -mx.inf, logits.dtype)
-            return mx.concatenate([logits, missing], axis=1)
-        return logits
-
-    @on_generation_stream
-    def settle(self, tokens: List[int], *, feed: bool) -> None:
-        """Hold exactly `tokens`, which agree with what the cache holds and was fed up
-        to the shorter of the two: trim what lies beyond them, then, if `feed`, feed
-        (lazily) what is missing; else leave it for the next forward to catch up."""
-        num_in_cache = self.num_held + self.num_fed
-        trim_prompt_cache(self.cache, num_in_cache - len(tokens))
-        self.num_held, self.num_fed = min(num_in_cache, len(tokens)), 0
-        if self.num_held < len(tokens) and feed:
-            self.forward(mx.array(tokens[self.num_held :], mx.uint32))
-            self.num_held, self.num_fed = len(tokens), 0
-
-
-def processed_logprobs(
-    logits: mx.array,
-    history: Optional[mx.array],
-    drafts: mx.array,
-    logits_processors: Processors,
-) -> mx.array:
-    """Log-probabilities (N, V) of `logits` (N, V) after the processors, which see, for
-    row i, `history` (1-D) followed by drafts[:i] (as plain decoding would show them)."""
-    if logits_processors:
-        rows = []
-        for i in range(logits.shape[0]):
-            row, seen = logits[i : i + 1], mx.concatenate([history, drafts[:i]])
-            for processor in logits_processors:
-                row = processor(seen, row)
-            rows.append(row)
-        logits = mx.concatenate(rows)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-# ---------------------------------------------------------------------------
-# Drafters
-# ---------------------------------------------------------------------------
 
 
 class Drafter:
@@ -224,17 +39,21 @@ class Drafter:
         reads more of its forwards (MTPHead: the hidden states)."""
         return target
 
-    def prefill_run(
+    def prefill(
         self, target: CachedModel, prompt: mx.array, prefill_step_size: int,
         progress: Callable[[int, int], None], quantize_kv: Callable[[List[Any]], None],
     ) -> None:
-        """Prefill the drafter, then the target (`progress` follows the target's)."""
-        self.prefill(prompt, prefill_step_size, quantize_kv)
-        prefill(target.model, prompt, target.cache, prefill_step_size, progress, quantize_kv)
+        """Feed all of the prompt (1-D) but its last token to the target and the
+        drafter, in the same chunks (feeding.prefill; `progress` after each, which
+        may raise to cancel)."""
+        prefill(target.model, prompt, target.cache, prefill_step_size, progress, quantize_kv,
+                also=self.prefill_feeds(prompt))
+        target.num_held = prompt.size - 1
 
-    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
-        """Take in the prompt (1-D); afterwards the drafter holds all of it but its last token."""
-        raise NotImplementedError
+    def prefill_feeds(self, prompt: mx.array) -> List[Tuple[nn.Module, List[Any], mx.array]]:
+        """(model, cache, ids) the drafter is fed beside the target's prefill (none: it
+        has no model, or feeds itself as MTPHead does); takes in the prompt."""
+        return []
 
     def can_draft(self, sequence: List[int]) -> bool:
         """Whether propose() would propose anything after `sequence`."""
@@ -283,10 +102,9 @@ class DraftModel(Drafter):
         self.side = CachedModel(model, cache, model.args.vocab_size, num_columns)
         self.cache = cache
 
-    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
-        prefill(self.side.model, self.side.model_ids(prompt), self.cache, prefill_step_size,
-                lambda done, total: None, quantize_kv)
+    def prefill_feeds(self, prompt: mx.array) -> List[Tuple[nn.Module, List[Any], mx.array]]:
         self.side.num_held = prompt.size - 1
+        return [(self.side.model, self.cache, self.side.model_ids(prompt))]
 
     def can_draft(self, sequence: List[int]) -> bool:
         return True
@@ -397,9 +215,10 @@ class PromptLookup(Drafter):
         """Index what the run committed since the last call."""
         self.extend(sequence[len(self.tokens) - self.run_start :])
 
-    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
+    def prefill_feeds(self, prompt: mx.array) -> List[Tuple[nn.Module, List[Any], mx.array]]:
         self.run_start = len(self.tokens)
         self.extend(prompt.tolist())
+        return []
 
     def can_draft(self, sequence: List[int]) -> bool:
         self._follow(sequence)
@@ -417,84 +236,6 @@ class PromptLookup(Drafter):
     def finish(self, tokens: List[int]) -> None:
         self.truncate(self.run_start + len(tokens))
         self.extend(tokens[len(self.tokens) - self.run_start :])
-
-
-def point_masses(tokens: mx.array, num_columns: int) -> mx.array:
-    """(n, num_columns) log-laws putting all mass on each of `tokens` (n,)."""
-    columns = mx.arange(num_columns, dtype=mx.uint32)
-    return mx.where(columns[None, :] == tokens[:, None], 0.0, -mx.inf)
-
-
-# ---------------------------------------------------------------------------
-# Acceptance rules (speculative sampling)
-# ---------------------------------------------------------------------------
-
-
-def accepted_count(
-    target_logprobs: mx.array, draft_logprobs: mx.array, drafts: mx.array, uniforms: mx.array
-) -> mx.array:
-    """How many leading drafts pass the ratio test u_i < p_i(x_i) / q_i(x_i).
-
-    Args:
-        target_logprobs: (..., K or K + 1, V) log p; only the first K rows are read.
-        draft_logprobs: (..., K, V) log q, the laws the drafts were drawn from.
-        drafts: (..., K) the drafted ids x_i.
-        uniforms: (..., K) independent draws from [0, 1).
-
-    Returns:
-        (...,) int32 in [0, K]. P(u < p/q) = min(1, p/q) for u uniform on [0, 1).
-    """
-    num_drafts = drafts.shape[-1]
-    ids = drafts[..., None].astype(mx.int32)  # (..., K, 1)
-    p = mx.take_along_axis(target_logprobs[..., :num_drafts, :], ids, axis=-1)[..., 0]
-    q = mx.take_along_axis(draft_logprobs, ids, axis=-1)[..., 0]
-    passed = (uniforms < mx.exp(p.astype(mx.float32) - q.astype(mx.float32))).astype(mx.int32)
-    return mx.cumprod(passed, axis=-1).sum(axis=-1)
-
-
-def correction_logprobs(target_logprobs: mx.array, draft_logprobs: mx.array) -> mx.array:
-    """The law of the token emitted after n accepted drafts, for every n.
-
-    Args:
-        target_logprobs: (..., K + 1, V) log p.
-        draft_logprobs: (..., K, V) log q.
-
-    Returns:
-        (..., K + 1, V) float32 log-probabilities: row i < K is
-        log norm(max(0, p_i - q_i)) (the token after a rejection at i), row K is
-        log p_K (the bonus). Where p_i <= q_i everywhere (p_i == q_i up to round-off)
-        a rejection has probability ~0 and row i is p_i, so it is always a law.
-    """
-    num_drafts = draft_logprobs.shape[-2]
-    target_logprobs = target_logprobs.astype(mx.float32)
-    p = mx.exp(target_logprobs[..., :num_drafts, :])
-    residual = mx.maximum(p - mx.exp(draft_logprobs.astype(mx.float32)), 0)  # (..., K, V)
-    mass = residual.sum(axis=-1, keepdims=True)
-    rows = mx.where(mass > 0, mx.log(residual) - mx.log(mass), target_logprobs[..., :num_drafts, :])
-    return mx.concatenate([rows, target_logprobs[..., num_drafts:, :]], axis=-2)
-
-
-def speculative_sample(
-    target_logprobs: mx.array, draft_logprobs: mx.array, drafts: mx.array, key: Optional[mx.array] = None
-) -> Tuple[mx.array, mx.array]:
-    """One round of speculative sampling.
-
-    Args:
-        target_logprobs: (..., K + 1, V) log p after each draft position and the bonus.
-        draft_logprobs: (..., K, V) log q; drafts[..., i] must have been drawn from row i.
-        drafts: (..., K) drafted ids.
-        key: PRNG key; default the global mx.random state.
-
-    Returns:
-        (num_accepted (...,) int32, token (...,) uint32): the drafts kept, and the
-        token that follows them (a correction or the bonus). Lazy.
-    """
-    accept_key, token_key = mx.random.split(key) if key is not None else (None, None)
-    uniforms = mx.random.uniform(shape=drafts.shape, key=accept_key)
-    num_accepted = accepted_count(target_logprobs, draft_logprobs, drafts, uniforms)
-    laws = correction_logprobs(target_logprobs, draft_logprobs)  # (..., K + 1, V)
-    law = mx.take_along_axis(laws, num_accepted[..., None, None], axis=-2)[..., 0, :]
-    return num_accepted, mx.random.categorical(law, key=token_key).astype(mx.uint32)
 
 
 # ---------------------------------------------------------------------------
@@ -617,15 +358,12 @@ class MTPHead(Drafter):
     def run_target(self, target: CachedModel) -> CachedModel:
         return self.target  # the same cache, keeping the hidden states the head reads
 
-    def prefill_run(
+    def prefill(
         self, target: CachedModel, prompt: mx.array, prefill_step_size: int,
         progress: Callable[[int, int], None], quantize_kv: Callable[[List[Any]], None],
     ) -> None:
+        """`target` is run_target's: prefill_with_target feeds both."""
         self.prefill_with_target(prompt, prefill_step_size, progress, quantize_kv)
-
-    def prefill(self, prompt: mx.array, prefill_step_size: int, quantize_kv: Callable[[List[Any]], None]) -> None:
-        """Prefills the target too (see prefill_with_target)."""
-        self.prefill_with_target(prompt, prefill_step_size, lambda done, total: None, quantize_kv)
 
     def can_draft(self, sequence: List[int]) -> bool:
         return len(sequence) - 1 > self.num_pairs

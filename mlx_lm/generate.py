@@ -25,11 +25,10 @@ from .cli_args import (
     str2bool,
 )
 from .batching import BatchGenerator, BatchResponse, BatchStats, batch_generate  # noqa: F401  (upstream's home)
-from .drafters import (
+from .drafters import PromptLookup, check_mtp_head
+from .feeding import (
     DEFAULT_PREFILL_STEP_SIZE,
-    PromptLookup,
     check_generation_args,
-    check_mtp_head,
     generation_stream,
     kv_quantizer,
     on_generation_stream,

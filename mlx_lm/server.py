@@ -86,7 +86,7 @@ from .server_embedding import (  # noqa: F401  (upstream's request API of Respon
     CompletionRequest, GenerationArguments, GenerationContext, LogitsProcessorArguments, ModelDescription, Response,
 )
 from .utils import compute_dtype, parameter_dtypes
-from .drafters import DEFAULT_PREFILL_STEP_SIZE
+from .feeding import DEFAULT_PREFILL_STEP_SIZE
 from .fast_blas import blas_line
 from .metrics import CONTENT_TYPE
 from .serving import (

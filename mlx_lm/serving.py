@@ -47,7 +47,6 @@ outputs, with or without a draft model.
 
 import contextlib
 import copy
-import dataclasses
 import logging
 import os
 import queue
@@ -59,8 +58,9 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .batching import BatchGenerator, PromptProgress, Response, RowSpeculation
-from .drafters import DEFAULT_PREFILL_STEP_SIZE, MTPHead, PromptLookup, check_mtp_head, ids_within, prefill
+from .batching import BatchGenerator, PromptProgress, Response
+from .drafters import DraftModel, MTPHead, PromptLookup, check_mtp_head
+from .feeding import DEFAULT_PREFILL_STEP_SIZE, CachedModel, prefill
 from .generate import GenerationResponse, SpeculationStats, check_same_tokenizer, stream_generate
 from .speculative import check_can_speculate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
@@ -76,7 +76,7 @@ from .openai_api import (
     StopStringFilter,
     TokenLogprob,
 )
-from .sample_utils import CategoricalSampler, make_logits_processors, make_sampler
+from .sample_utils import make_logits_processors, make_sampler
 from .tokenizer_utils import with_chat_template
 
 log = logging.getLogger("mlx_lm.server")
@@ -297,18 +297,12 @@ class ServedModel:
             # the last token too: the run that continues this cache begins after it.
             head = MTPHead(self.model, prompt_cache[:num_target], prompt_cache[num_target:], self.vocab_size)
             head.prefill_with_target(prompt, step, progress, lambda c: None, feed_last_pair=True)
-            return tokens[-1:]
-        parts = [(self.model, prompt_cache[:num_target], prompt)]
-        if self.draft_model is not None:
-            # As speculation feeds it: ids beyond a smaller draft table become 0.
-            draft_prompt = ids_within(prompt, self.draft_model.args.vocab_size)
-            parts.append((self.draft_model, prompt_cache[num_target:], draft_prompt))
-        for start in range(0, len(tokens) - 1, step):
-            end = min(start + step, len(tokens) - 1)
-            for model, cache, ids in parts:
-                # generate.prefill feeds all it is given but the last: tokens[start:end].
-                prefill(model, ids[start : end + 1], cache, step, lambda done, total: None)
-            progress(end, len(tokens))
+        elif self.draft_model is None:
+            prefill(self.model, prompt, prompt_cache, step, progress)
+        else:  # fed as speculation feeds it
+            target = CachedModel(self.model, prompt_cache[:num_target], self.vocab_size, self.vocab_size)
+            draft = DraftModel(self.draft_model, prompt_cache[num_target:], self.vocab_size)
+            draft.prefill(target, prompt, step, progress, lambda c: None)
         return tokens[-1:]
 
 
@@ -645,8 +639,7 @@ class _Stream:
         self.text = ""
         self.logprobs: List[TokenLogprob] = []
         self.first_token_at: Optional[float] = None
-        self.speculation: Optional[RowSpeculation] = None  # the batch's counts, when it speculates
-        self.acceptance_rule = "token matching"
+        self.speculation: Optional[SpeculationStats] = None  # the batch's counts, when it speculates
 
 
 class BatchWorker(GenerationWorker):
@@ -750,8 +743,6 @@ class BatchWorker(GenerationWorker):
             seeds=[request.seed % (1 << 64) if seeded else None], num_draft_tokens=[request.num_draft_tokens],
         )[0]
         self.streams[uid] = _Stream(job, served, tokens, fetched.num_cached)
-        if isinstance(sampler, CategoricalSampler):
-            self.streams[uid].acceptance_rule = "speculative sampling"
 
     def step(self) -> None:
         """One batch step; its tokens go out to their requests; cancelled ones leave.
@@ -841,8 +832,4 @@ class BatchWorker(GenerationWorker):
 
     @staticmethod
     def _speculation_stats(stream: _Stream) -> Optional[SpeculationStats]:
-        spec = stream.speculation
-        if spec is None:
-            return None
-        counts = {f.name: copy.copy(getattr(spec, f.name)) for f in dataclasses.fields(SpeculationStats)}
-        return SpeculationStats(**{**counts, "acceptance_rule": stream.acceptance_rule})
+        return None if stream.speculation is None else copy.deepcopy(stream.speculation)

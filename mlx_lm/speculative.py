@@ -10,21 +10,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .draft_length import DRAFT_LENGTHS, DraftLengthPolicy, LearnedDraftLength
-from .drafters import (
+from .acceptance import accept, point_masses
+from .drafters import DraftModel, Drafter, MTPHead, PromptLookup, check_mtp_head
+from .feeding import (
     DEFAULT_PREFILL_STEP_SIZE,
     CachedModel,
-    DraftModel,
-    Drafter,
-    MTPHead,
     Processors,
-    PromptLookup,
     check_generation_args,
-    check_mtp_head,
     kv_quantizer,
     on_generation_stream,
-    point_masses,
     processed_logprobs,
-    speculative_sample,
 )
 from .models import cache
 from .sample_utils import CategoricalSampler, make_sampler
@@ -81,6 +76,23 @@ class SpeculationStats:
     accepted_at_depth: List[int] = field(default_factory=list)
     round_seconds: List[float] = field(default_factory=list)
     timed_rounds: List[int] = field(default_factory=list)
+    _last_draft_length: int = field(default=0, repr=False, compare=False)
+
+    def add_round(self, num_draft: int, num_accepted: int, seconds: Optional[float] = None) -> None:
+        """A target forward that verified `num_draft` drafts (0: a plain step) and
+        accepted the first `num_accepted`; `seconds`: its time, None if not timed (a
+        batch row's rounds are timed once the next one begins: add_seconds)."""
+        self.num_drafted += num_draft
+        self.num_accepted += num_accepted
+        self.num_target_forwards += 1
+        _grow(self.draft_lengths, num_draft + 1, 0)
+        self.draft_lengths[num_draft] += 1
+        self.count_round(num_draft, num_accepted, seconds)
+        self._last_draft_length = num_draft
+
+    def add_seconds(self, seconds: float) -> None:
+        """The last round took `seconds`."""
+        self.count_seconds(self._last_draft_length, seconds)
 
     def count_round(self, num_draft: int, num_accepted: int, seconds: Optional[float]) -> None:
         """Add a round's depths (it drafted `num_draft`, the first `num_accepted` were
@@ -200,17 +212,19 @@ def _vocabulary_difference(target_vocab: dict, draft_vocab: dict) -> Optional[st
     )
 
 
-def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str) -> None:
+def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str,
+                        who: str = "Speculative decoding") -> None:
     """Every entry must be able to give back rejected tokens: trimmable caches, caches
     that record themselves (sliding windows), or recurrent states whose model's layers
-    record rollbacks (`supports_speculative_rollback`)."""
+    record rollbacks (`supports_speculative_rollback`). `role`: "target model" or
+    "draft model"; `who` asks (e.g. "a draft model in a batch")."""
     # Models written for upstream mlx-lm do not declare the attribute: they don't record.
     layers_record = getattr(type(model), "supports_speculative_rollback", False)
     blocked = sorted({type(c).__name__ for c in prompt_cache if c.needs_layer_records and not layers_record})
     if blocked:
         raise ValueError(
-            f"Speculative decoding needs every cache of the {role} ({type(model).__module__}) "
-            f"to roll back, but {', '.join(blocked)} entries cannot: its layers do not record rollbacks"
+            f"{who} needs every cache of the {role} ({type(model).__module__}) to roll back, but "
+            f"{', '.join(blocked)} entries cannot: its layers do not record rollbacks"
         )
 
 
@@ -358,9 +372,7 @@ def plain_stretch(
         step_seconds = time.perf_counter() - start  # this interval: summed, the stretch's time
         num_steps, seconds = num_steps + 1, seconds + step_seconds
         policy.update(0, 0, seconds / (num_steps + more))
-        stats.count_round(0, 0, step_seconds)
-        stats.num_target_forwards += 1
-        stats.draft_lengths = policy.counts[:]
+        stats.add_round(0, 0, step_seconds)
         quantize_kv(target.cache)
         yield token, token_logprobs
         if not more:
@@ -404,37 +416,13 @@ def queue_round(
 
 
 @on_generation_stream
-def accept(
-    logprobs: mx.array,
-    drafts: mx.array,
-    draft_laws: Optional[mx.array],
-    sampler: Callable[[mx.array], mx.array],
-) -> Tuple[int, List[int]]:
-    """Decide a round, syncing once: (number of drafts accepted, the tokens to emit:
-    those drafts and the token after them). `logprobs` (K + 1, V) are the target's.
-
-    With the laws the drafts were drawn from (a CategoricalSampler), speculative
-    sampling (drafters.speculative_sample). Otherwise token matching: the sampler draws
-    the target's own token at every position and the agreeing prefix is kept; exact for
-    any sampler, and for greedy decoding token-identical to plain decoding.
-    """
-    if draft_laws is None:
-        targets = sampler(logprobs).tolist()
-        drafts = drafts.tolist()
-        num_accepted = accepted_prefix(drafts, targets)
-        return num_accepted, drafts[:num_accepted] + [targets[num_accepted]]
-    num_accepted, token = speculative_sample(sampler.distribution(logprobs), draft_laws, drafts)
-    mx.eval(num_accepted, token, drafts)
+def decide(round: QueuedRound, sampler: Callable[[mx.array], mx.array]) -> Tuple[int, List[int]]:
+    """Decide a round (acceptance.accept), syncing once: (number of drafts accepted,
+    the tokens to emit: those drafts and the target's token after them)."""
+    num_accepted, token = accept(round.logprobs, round.drafts, round.draft_laws, sampler)
+    mx.eval(num_accepted, token, round.drafts)
     num_accepted = num_accepted.item()
-    return num_accepted, drafts.tolist()[:num_accepted] + [token.item()]
-
-
-def accepted_prefix(drafts: List[int], targets: List[int]) -> int:
-    """How many leading drafts equal the target's own choices."""
-    n = 0
-    while n < len(drafts) and drafts[n] == targets[n]:
-        n += 1
-    return n
+    return num_accepted, round.drafts.tolist()[:num_accepted] + [token.item()]
 
 
 def speculative_generate_step(
@@ -535,6 +523,7 @@ def speculative_generate_step(
     sampler = sampler or make_sampler()
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
+    _grow(stats.draft_lengths, num_draft_tokens + 1, 0)  # rounds per k = 0..num_draft_tokens
     stats.acceptance_rule = "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
     # Adaptive: start from what earlier calls of this pair learned; pinned: from nothing,
     # so a seeded sampled run gives the same tokens whatever ran before it.
@@ -545,7 +534,7 @@ def speculative_generate_step(
     progress = prompt_progress_callback or (lambda done, total: None)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
-    drafter.prefill_run(target, prompt, prefill_step_size, progress, quantize_kv)
+    drafter.prefill(target, prompt, prefill_step_size, progress, quantize_kv)
     sequence = prompt.tolist()  # the prompt, then every token the target committed to
     num_prompt = len(sequence)
     target.num_held = num_prompt - 1
@@ -583,7 +572,7 @@ def speculative_generate_step(
 
             # Accept a prefix of the drafts and the target's token after it (the sync).
             wait_start = time.perf_counter()
-            num_accepted, new_tokens = accept(queued.logprobs, queued.drafts, queued.draft_laws, sampler)
+            num_accepted, new_tokens = decide(queued, sampler)
             num_draft, logprobs = queued.drafts.size, queued.logprobs
             sequence += new_tokens
             round_seconds = queued.build_seconds + time.perf_counter() - wait_start
@@ -592,11 +581,7 @@ def speculative_generate_step(
             # Rewind to the sequence minus its last token (the drafter may lag behind).
             target.settle(sequence[:-1], feed=False)
             drafter.settle(sequence[:-1])
-            stats.num_drafted += num_draft
-            stats.num_accepted += num_accepted
-            stats.count_round(num_draft, num_accepted, round_seconds)
-            stats.num_target_forwards += 1
-            stats.draft_lengths = policy.counts[:]
+            stats.add_round(num_draft, num_accepted, round_seconds)
             quantize_kv(target.cache)
             quantize_kv(drafter.cache)
 

@@ -12,7 +12,7 @@ from checkpoints import TINY_CONFIGS
 from mlx_lm import batch_drafters, batching
 from mlx_lm.batching import BatchGenerator, batch_generate
 from mlx_lm.draft_length import BatchDraftLengthPolicy, DraftLengthMemory
-from mlx_lm.drafters import ids_within
+from mlx_lm.feeding import ids_within
 from mlx_lm.generate import generate_step
 from mlx_lm.models.batch_cache import (
     _AlignedKV, BatchArraysCache, BatchKVCache, BatchRotatingKVCache, extract_caches, make_room, merge_caches,
@@ -295,8 +295,8 @@ def test_every_step_evaluates_the_positions_it_updates(draft, monkeypatch):
     checked = 0
     while len(generator) > 1:  # (a leaving row's read would evaluate them anyway)
         generator.next()
-        if generator._caches is not None:
-            entries = [e for e in generator._caches if isinstance(e, _AlignedKV)]
+        if generator._table.caches is not None:
+            entries = [e for e in generator._table.caches if isinstance(e, _AlignedKV)]
             assert entries and all(id(e.positions) in evaluated for e in entries)
             checked += 1
         evaluated.clear()
@@ -387,7 +387,8 @@ def test_prompt_lookup_in_the_batch_equals_solo():
     prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
     sampled, penalty = make_sampler(temp=1.0), [make_repetition_penalty(1.3, 6)]
     generator = BatchGenerator(model, completion_batch_size=4, prefill_step_size=6, prompt_lookup=True)
-    # Greedy rows, a seeded sampled row (speculative sampling) and a row with a penalty (decodes plainly).
+    # Greedy rows, a seeded sampled row (speculative sampling) and a row with a penalty (which sees, at
+    # each verified position, the history plain decoding would show it).
     out, _ = generate_all(generator, prompts + [prompts[0], prompts[1]], budgets + [12, 8],
                           samplers=[None] * 5 + [sampled], seeds=[None] * 5 + [5],
                           logits_processors=[None] * 4 + [penalty, None])
@@ -520,11 +521,12 @@ def test_a_draft_that_sits_out_plain_steps_catches_up(monkeypatch):
 
 
 @pytest.mark.parametrize("draft_name", ["qwen3", "qwen3_next"])
-def test_a_draft_no_row_uses_lags_by_a_bounded_chunk(draft_name):
-    """Rows with logits processors never draft: the draft is still fed their tokens,
+def test_a_draft_no_row_uses_lags_by_a_bounded_chunk(draft_name, monkeypatch):
+    """While the policy keeps every row plain, the draft is still fed their tokens,
     MAX_LAG plain steps at a time (not all at once at the end: an unbounded (B, L)
     forward), so a returned cache's draft half holds the row's tokens."""
     model, draft = tiny_model("qwen3"), perturbed(draft_name)
+    monkeypatch.setattr(batching.BatchDraftLengthPolicy, "choose", lambda self, batch_size, rows: 0)
     penalty = [make_repetition_penalty(1.3)]
     prompts = [repetitive_prompt(9, 0), repetitive_prompt(5, 1)]
     answers = [solo(model, p, 50, logits_processors=penalty) for p in prompts]
@@ -573,7 +575,7 @@ def test_a_queued_round_is_undone_when_rows_are_removed_or_copied(name, monkeypa
     generator = BatchGenerator(model, max_tokens=16, draft_model=draft, fixed_draft_length=True)
     uids = generator.insert(prompts)
     out = {}
-    while not generator._pending or min(len(out.get(u, [])) for u in uids) < 3:
+    while not generator._rounds.queued or min(len(out.get(u, [])) for u in uids) < 3:
         for r in generator.next_generated():
             out.setdefault(r.uid, []).append(r.token)
     num_target = len(make_prompt_cache(model))
@@ -588,7 +590,7 @@ def test_a_queued_round_is_undone_when_rows_are_removed_or_copied(name, monkeypa
 
     copy = generator.extract_cache([uids[0]])[uids[0]]
     assert_holds(copy, prompts[0] + out[uids[0]])
-    while not generator._pending:
+    while not generator._rounds.queued:
         for r in generator.next_generated():
             out.setdefault(r.uid, []).append(r.token)
     cache, num_held = generator.remove([uids[1]], return_prompt_caches=True)[uids[1]]

@@ -483,7 +483,7 @@ def test_a_queued_mtp_round_is_undone_when_rows_are_removed_or_copied(checkpoint
     out = {u: [] for u in uids}
 
     def step_until_queued(min_tokens):
-        while not generator._pending or min(len(out[u]) for u in uids) < min_tokens:
+        while not generator._rounds.queued or min(len(out[u]) for u in uids) < min_tokens:
             for r in generator.next_generated():
                 out[r.uid].append(r.token)
 

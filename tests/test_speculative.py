@@ -191,12 +191,15 @@ class Faults:
 
 
 class WatchedSync:
-    """The sampler's tokens; `.tolist()` or `.item()` (the sync) counts as a call that can fail."""
+    """The sampler's tokens; reading them (`.tolist()`, `.item()`; `.astype()`, where
+    acceptance takes them on the device before the round's sync) counts as a call that
+    can fail."""
 
     def __init__(self, tokens, faults):
         self.tokens, self.faults = tokens, faults
 
     def astype(self, dtype):
+        self.faults.tick("sync")
         return self.tokens.astype(dtype)
 
     def tolist(self):

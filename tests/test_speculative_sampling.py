@@ -30,8 +30,8 @@ import pytest
 from checkpoints import TINY_CONFIGS, perturb
 from mlx.utils import tree_map
 
-from mlx_lm.drafters import accepted_count, correction_logprobs, speculative_sample
-from mlx_lm.drafters import processed_logprobs
+from mlx_lm.acceptance import accepted_count, correction_logprobs, speculative_sample
+from mlx_lm.feeding import processed_logprobs
 from mlx_lm.generate import SpeculationStats, generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import get_model_classes

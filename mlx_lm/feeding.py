@@ -1,0 +1,188 @@
+"""Feeding models for generation: the generation stream, argument checks, chunked
+prefill, the KV quantizer, and `CachedModel` (a model with its cache and what that
+cache holds). Every loop uses these (generate, speculative, batching, serving), so a
+prompt gives the same caches, bit for bit, in each; drafters.py keeps the drafters."""
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .models.cache import check_kv_quantization, maybe_quantize_kv_cache, trim_prompt_cache
+from .models.checkpoints import maybe_snapshot
+
+Processors = List[Callable[[mx.array, mx.array], mx.array]]
+
+# All generation runs on this stream (upstream's name; `mlx_lm.generate.generation_stream`),
+# one per thread, so that a server's worker thread never shares it.
+generation_stream = mx.new_thread_local_stream(mx.default_device())
+
+
+def on_generation_stream(fn):
+    """Build (and evaluate) `fn`'s work on generation_stream."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with mx.stream(generation_stream):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+
+
+def check_generation_args(
+    prompt: mx.array, max_tokens: int, prefill_step_size: int, input_embeddings: Optional[mx.array] = None
+) -> None:
+    if input_embeddings is not None:
+        _check_input_embeddings(prompt, input_embeddings)
+    elif prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(f"prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}")
+    if max_tokens != -1 and max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
+    if prefill_step_size < 1:
+        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+
+
+def _check_input_embeddings(prompt: mx.array, input_embeddings: mx.array) -> None:
+    if input_embeddings.ndim != 2 or input_embeddings.shape[0] == 0:
+        raise ValueError(f"input_embeddings must be (prompt length, hidden size), got shape {input_embeddings.shape}")
+    if prompt.ndim != 1 or prompt.size not in (0, input_embeddings.shape[0]):
+        raise ValueError(
+            f"prompt ({prompt.size} tokens) and input_embeddings ({input_embeddings.shape[0]} rows) must have the "
+            "same length, or the prompt be empty"
+        )
+
+
+def kv_quantizer(
+    prompt_cache: List[Any], kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int
+) -> Callable[[List[Any]], None]:
+    """Check the KV quantization settings against the cache before any work; returns
+    the function that quantizes a cache list's entries once they are long enough."""
+    if kv_bits is not None:
+        check_kv_quantization(prompt_cache, kv_group_size, kv_bits, quantized_kv_start)
+    return functools.partial(
+        maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start, kv_group_size=kv_group_size, kv_bits=kv_bits
+    )
+
+
+# Prompt tokens per prefill forward, for every loop (plain, speculative, batched, the
+# server's): one chunking, so a prompt gives the same caches, bit for bit, in each.
+DEFAULT_PREFILL_STEP_SIZE = 2048
+
+
+@on_generation_stream
+def prefill(
+    model: nn.Module,
+    prompt: mx.array,
+    prompt_cache: List[Any],
+    prefill_step_size: int,
+    progress: Callable[[int, int], None],
+    quantize_kv: Optional[Callable[[List[Any]], None]] = None,
+    input_embeddings: Optional[mx.array] = None,
+    *,
+    also: Sequence[Tuple[nn.Module, List[Any], mx.array]] = (),
+) -> mx.array:
+    """Feed all prompt positions but the last through the model in chunks; return the
+    tokens still to feed (the last one, whose logits start generation).
+    `quantize_kv(cache)` runs after each chunk (see maybe_quantize_kv_cache), and
+    `progress(done, total)` (it may raise to cancel: the caches then hold whole chunks).
+    With `input_embeddings` (T, hidden) the model takes those rows instead of the
+    tokens' embeddings; `prompt` is then the T tokens they stand for, or empty.
+    `also`: more (model, cache, ids) fed the same chunks of their own ids for the
+    prompt (a draft model's), each chunk before `progress` hears of it."""
+    total = prompt.size if input_embeddings is None else input_embeddings.shape[0]
+    done = 0
+    maybe_snapshot(prompt_cache, 0)  # a CheckpointedCache's snapshots (issue 33)
+    while total - done > 1:
+        n = min(prefill_step_size, total - done - 1)
+        rows = {} if input_embeddings is None else {"input_embeddings": input_embeddings[done : done + n][None]}
+        model(prompt[done : done + n][None], cache=prompt_cache, **rows)
+        for other, cache, ids in also:
+            other(ids[done : done + n][None], cache=cache)
+        for cache in [prompt_cache] + [cache for _, cache, _ in also]:
+            if quantize_kv is not None:
+                quantize_kv(cache)
+            mx.eval([c.state for c in cache])
+        done += n
+        maybe_snapshot(prompt_cache, n)
+        progress(done, total)
+        mx.clear_cache()
+    return prompt[done:]
+
+
+def ids_within(tokens: mx.array, table_size: int) -> mx.array:
+    """`tokens` with ids beyond an embedding table of `table_size` rows replaced by 0
+    (a draft with a smaller table than the target's; see CachedModel)."""
+    return mx.where(tokens < table_size, tokens, 0)
+
+
+@dataclass
+class CachedModel:
+    """One model of a speculative run and what its cache holds: the first `num_held`
+    tokens of the sequence, then `num_fed` more fed this round, not yet accepted.
+
+    Logits come out with `num_columns` columns, the target's vocabulary: a draft with a
+    larger table loses the extra columns, a smaller one gets -inf columns, so the draft
+    never proposes an id the target's table lacks and processors and samplers always
+    see the target's shape. Ids beyond this model's own table (a draft with a smaller
+    table, fed a padding-row id the target committed: no tokenizer has it, only an odd
+    target emits one) are fed as id 0: the draft's guesses after it may be worse, the
+    output is still the target's.
+    """
+
+    model: nn.Module
+    cache: List[Any]
+    table_size: int
+    num_columns: int
+    num_held: int = 0
+    num_fed: int = 0
+
+    def model_ids(self, tokens: mx.array) -> mx.array:
+        return tokens if self.table_size >= self.num_columns else ids_within(tokens, self.table_size)
+
+    def forward(self, tokens: mx.array) -> mx.array:
+        """Logits (T, num_columns) after each of `tokens` (1-D). MLX writes the cache
+        while it builds the graph, so the tokens count as fed when the call returns,
+        before anything that can still fail (processors, sampler, the sync)."""
+        logits = self.model(self.model_ids(tokens)[None], cache=self.cache)[0]
+        self.num_fed += tokens.size
+        if self.table_size > self.num_columns:
+            return logits[:, : self.num_columns]
+        if self.table_size < self.num_columns:
+            missing = mx.full((logits.shape[0], self.num_columns - self.table_size), -mx.inf, logits.dtype)
+            return mx.concatenate([logits, missing], axis=1)
+        return logits
+
+    @on_generation_stream
+    def settle(self, tokens: List[int], *, feed: bool) -> None:
+        """Hold exactly `tokens`, which agree with what the cache holds and was fed up
+        to the shorter of the two: trim what lies beyond them, then, if `feed`, feed
+        (lazily) what is missing; else leave it for the next forward to catch up."""
+        num_in_cache = self.num_held + self.num_fed
+        trim_prompt_cache(self.cache, num_in_cache - len(tokens))
+        self.num_held, self.num_fed = min(num_in_cache, len(tokens)), 0
+        if self.num_held < len(tokens) and feed:
+            self.forward(mx.array(tokens[self.num_held :], mx.uint32))
+            self.num_held, self.num_fed = len(tokens), 0
+
+
+def processed_logprobs(
+    logits: mx.array,
+    history: Optional[mx.array],
+    drafts: mx.array,
+    logits_processors: Processors,
+) -> mx.array:
+    """Log-probabilities (N, V) of `logits` (N, V) after the processors, which see, for
+    row i, `history` (1-D) followed by drafts[:i] (as plain decoding would show them)."""
+    if logits_processors:
+        rows = []
+        for i in range(logits.shape[0]):
+            row, seen = logits[i : i + 1], mx.concatenate([history, drafts[:i]])
+            for processor in logits_processors:
+                row = processor(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
