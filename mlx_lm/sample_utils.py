@@ -225,8 +225,9 @@ def _validate_sampler_args(
         raise ValueError(f"xtc_special_tokens must be token ids >= 0, got {bad_ids}")
 
 
-def _greedy(logprobs: mx.array) -> mx.array:
-    """(B, V) -> (B,) uint32: the most likely token of each row."""
+def greedy_sampler(logprobs: mx.array) -> mx.array:
+    """(B, V) -> (B,) uint32: the most likely token of each row (upstream's name; what
+    make_sampler(temp=0) returns)."""
     return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
 
 
@@ -329,7 +330,7 @@ def make_sampler(
         xtc_special_tokens,
     )
     if temp == 0:
-        return _greedy
+        return greedy_sampler
 
     leading, trailing, xtc = [], [], None
     if 0 < top_p < 1:

@@ -421,6 +421,32 @@ def quantize_model(
     return model, config
 
 
+def get_total_parameters(model: nn.Module) -> int:
+    """How many parameters the model represents: a quantized layer counts its weight
+    unpacked (32 / bits entries a packed word) plus its bias, not its scales."""
+    total = 0
+    for _, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if "scales" in module:
+            total += module.weight.size * 32 // module.bits + (module.bias.size if "bias" in module else 0)
+        else:
+            total += sum(v.size for _, v in tree_flatten(module.parameters()))
+    return total
+
+
+def compute_bits_per_weight(model: nn.Module) -> float:
+    """The model's bytes (scales and biases included) in bits per represented parameter."""
+    num_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return num_bytes * 8 / get_total_parameters(model)
+
+
+def common_prefix_len(first: List[Any], second: List[Any]) -> int:
+    """How many leading items the two sequences share."""
+    for i, (a, b) in enumerate(zip(first, second)):
+        if a != b:
+            return i
+    return min(len(first), len(second))
+
+
 def _float_layer(module: nn.Module) -> nn.Module:
     """The float layer a quantized one approximates (its dequantized weight)."""
     from .models.switch_layers import QuantizedSwitchLinear, SwitchLinear

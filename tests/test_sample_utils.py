@@ -13,6 +13,7 @@ from mlx_lm.sample_utils import (
     apply_top_p,
     apply_xtc,
     categorical_sampling,
+    greedy_sampler,
     make_logits_processors,
     make_sampler,
 )
@@ -288,8 +289,11 @@ def test_distribution_with_xtc_is_the_mixture():
 
 
 def test_greedy_sampler_is_a_plain_function():
-    """Greedy decoding gives no law: speculation matches its tokens."""
+    """Greedy decoding gives no law: speculation matches its tokens. It is upstream's
+    greedy_sampler, the argmax of each row."""
     assert not isinstance(make_sampler(temp=0.0), CategoricalSampler)
+    assert make_sampler(temp=0.0) is greedy_sampler
+    assert greedy_sampler(mx.log(mx.array([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]]))).tolist() == [1, 0]
 
 
 def test_same_seed_gives_same_samples():

@@ -16,7 +16,8 @@ from mlx_lm.convert import convert
 from mlx_lm.generate import stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import (
-    compute_dtype, get_model_path, infer_quant_config, load, load_config, load_model, save_config,
+    common_prefix_len, compute_bits_per_weight, compute_dtype, get_model_path, get_total_parameters, infer_quant_config,
+    load, load_config, load_model, quantize_model, save_config,
 )
 
 
@@ -270,3 +271,19 @@ def test_load_model_builds_the_classes_get_model_classes_gives(tiny_llama_dir):
     plain, _ = load_model(tiny_llama_dir)
     tokens = mx.array([[1, 2, 3]])
     assert mx.array_equal(model(tokens), plain(tokens))
+
+
+def test_parameter_count_and_bits_per_weight_float_and_quantized(tiny_llama_dir):
+    """A 4-bit layer in groups of 64 with float32 scales and biases costs 4 + 64 / 64
+    bits a weight; the norms stay float32 (32 bits); the count is the float model's."""
+    model, config = load_model(tiny_llama_dir)
+    sizes = {k: v.size for k, v in tree_flatten(model.parameters())}
+    assert model.parameters()["model"]["norm"]["weight"].dtype == mx.float32
+    matrices = sum(n for k, n in sizes.items() if not k.endswith("norm.weight"))
+    norms = sum(sizes.values()) - matrices
+    assert get_total_parameters(model) == sum(sizes.values()) and compute_bits_per_weight(model) == 32
+    quantize_model(model, config, group_size=64, bits=4)
+    assert get_total_parameters(model) == sum(sizes.values())
+    assert compute_bits_per_weight(model) == pytest.approx((5 * matrices + 32 * norms) / (matrices + norms))
+    assert [common_prefix_len(a, b) for a, b in [([1, 2, 3], [1, 2, 4]), ([1, 2], [1, 2, 3]), ([], [1]), ([5], [6])]] \
+        == [2, 2, 0, 0]
