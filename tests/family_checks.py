@@ -169,14 +169,17 @@ def assert_holds(model, cache, tokens, exact: bool, where: str = ""):
 
 
 def family_specs() -> Dict[str, Family]:
-    """Every `Family` declared by a test module (its module-level FAMILY), by module name:
-    what test_distributed.py shards."""
+    """Every `Family` declared by a test module (its module-level FAMILY, by module name,
+    or each of a FAMILIES dict, by its key): what test_distributed.py shards."""
     specs = {}
     for path in sorted(TESTS.glob("test_*.py")):
         if "FamilyChecks" in path.read_text():
             module = importlib.import_module(path.stem)
             if isinstance(getattr(module, "FAMILY", None), Family):
                 specs[path.stem[len("test_"):]] = module.FAMILY
+            families = getattr(module, "FAMILIES", None)
+            if isinstance(families, dict):
+                specs.update({name: f for name, f in families.items() if isinstance(f, Family)})
     return specs
 
 
