@@ -175,3 +175,18 @@ def test_sanitize_takes_every_layout_once():
     model = fixture_model("longcat_flash_tf4")
     with_mtp = dict(raw, **{"model.mtp.layers.0.eh_proj.weight": mx.zeros((64, 128))})
     assert sorted(model.sanitize(with_mtp)) == sorted(model.sanitize(dict(raw)))
+
+
+def test_sanitize_joins_upstream_mlx_lms_split_kv_b_proj():
+    """Upstream mlx-lm converts each block's kv_b_proj into embed_q (H, r, dn) and
+    unembed_out (H, dv, r): joined back (deepseek_v3.join_absorbed_kv_b_proj)."""
+    model = fixture_model("longcat_flash_tf4")
+    ours = model.sanitize(dict(mx.load(str(FIXTURES / "longcat_flash_tf4" / "model.safetensors"))))
+    upstream = dict(ours)
+    for layer, block in np.ndindex(2, 2):
+        prefix = f"model.layers.{layer}.self_attn.{block}."
+        w = upstream.pop(prefix + "kv_b_proj.weight").reshape(4, 8 + 8, 16)  # (H, dn + dv, r)
+        upstream[prefix + "embed_q.weight"] = mx.contiguous(w[:, :8].swapaxes(-1, -2))  # (H, r, dn)
+        upstream[prefix + "unembed_out.weight"] = w[:, 8:]  # (H, dv, r)
+    got = model.sanitize(upstream)
+    assert sorted(got) == sorted(ours) and all(mx.array_equal(got[k], ours[k]) for k in ours)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from checkpoints import VOCAB_SIZE
-from family_checks import FIXTURES, PROMPT, Family, FamilyChecks, fixture_model, relative_error
+from family_checks import FIXTURES, PROMPT, Family, FamilyChecks, fixture_model, random_model, relative_error
 from mlx.utils import tree_flatten
 from sliding_checks import assert_override_matters
 
@@ -194,3 +194,18 @@ def test_sanitize_converts_once(name):
     again = model.sanitize(dict(once))
     assert once.keys() == again.keys() and all(mx.array_equal(once[k], again[k]) for k in once)
     assert ("lm_head.weight" in once) == (not model.args.tie_word_embeddings)
+
+
+def test_sanitize_dequantizes_upstream_mlx_lms_quantized_kv_b_proj():
+    """Upstream mlx-lm quantizes kv_b_proj (it expands keys and values with it); the
+    latent attention reads it as a matrix, so it comes back float (bits and group size
+    from the packed shape: 4 bits in groups of 32 over kv_lora_rank 64)."""
+    model = random_model(dict(ARGS, kv_lora_rank=64))
+    ours = dict(tree_flatten(model.parameters()))
+    upstream, prefix = dict(ours), "model.layers.1.self_attn.kv_b_proj"
+    packed, scales, biases = mx.quantize(upstream.pop(prefix + ".weight"), group_size=32, bits=4)
+    upstream.update({prefix + ".weight": packed, prefix + ".scales": scales, prefix + ".biases": biases})
+    got = model.sanitize(upstream)
+    assert sorted(got) == sorted(ours)
+    assert mx.array_equal(got[prefix + ".weight"], mx.dequantize(packed, scales, biases, group_size=32, bits=4))
+    assert all(mx.array_equal(got[k], ours[k]) for k in ours if not k.startswith(prefix))

@@ -152,8 +152,9 @@ def dequantized(weights: Weights, name: str, in_dims: int) -> mx.array:
 def join_absorbed_kv_b_proj(weights: Weights, nope_dim: int, kv_lora_rank: int) -> Weights:
     """Upstream mlx-lm's converted attention -> kv_b_proj, in place: `embed_q` (H, r, dn)
     holds each head's W_k transposed and `unembed_out` (H, dv, r) its W_v (float or
-    quantized); kv_b_proj.weight is (H (dn + dv), r), head-major [W_k ; W_v], float."""
-    for key in [k for k in weights if k.endswith(".self_attn.embed_q.weight")]:
+    quantized); kv_b_proj.weight is (H (dn + dv), r), head-major [W_k ; W_v], float.
+    Any attention's prefix (LongCat's `self_attn.{0,1}.` too)."""
+    for key in [k for k in weights if k.endswith(".embed_q.weight")]:
         prefix = key[: -len("embed_q.weight")]
         w_k = dequantized(weights, prefix + "embed_q", nope_dim).swapaxes(-1, -2)  # (H, dn, r)
         w_v = dequantized(weights, prefix + "unembed_out", kv_lora_rank)  # (H, dv, r)

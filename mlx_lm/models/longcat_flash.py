@@ -26,7 +26,8 @@ Weights: as the hub and transformers save them (per expert `mlp.experts.{e}.{gat
 down}_proj.weight`; transformers' save also writes unused gate/up rows for the zero
 experts, dropped here), as transformers holds them (fused `mlp.experts.gate_up_proj`
 (E + Z, 2I, H) and `down_proj` (E, H, I)), or ours; the multi-token-prediction weights
-(`model.mtp.*`) are dropped, as transformers drops them.
+(`model.mtp.*`) are dropped, as transformers drops them. Checkpoints converted by
+upstream mlx-lm (kv_b_proj split into embed_q / unembed_out, float or quantized) load too.
 Reference: transformers `models/longcat_flash/modeling_longcat_flash.py`,
 `configuration_longcat_flash.py`.
 """
@@ -42,6 +43,7 @@ import mlx.nn as nn
 from . import llama, mla, sharding
 from .base import BaseModelArgs, run_hybrid_layers
 from .cache import CacheList, KVCache
+from .deepseek_v3 import join_absorbed_kv_b_proj
 from .llama import MLP
 from .minicpm3 import check_mla_args
 from .mixtral import check_top_k
@@ -281,11 +283,13 @@ class Model(llama.Model):
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """llama's (stored rope frequencies, a tied head's lm_head.weight dropped); the
-        MTP weights and the zero experts' unused rows dropped; per-expert or fused
-        experts -> stacked `mlp.switch_mlp`. Each rewrite consumes or is guarded by the
+        MTP weights and the zero experts' unused rows dropped; upstream mlx-lm's
+        embed_q / unembed_out (float or quantized) joined back into kv_b_proj; per-expert
+        or fused experts -> stacked `mlp.switch_mlp`. Each rewrite consumes or is guarded by the
         keys and shapes it changes, so ours (and a second call) pass unchanged."""
         weights = {k: v for k, v in super().sanitize(weights).items() if not k.startswith("model.mtp.")}
         weights = drop_zero_expert_weights(weights, self.args.n_routed_experts)
+        weights = join_absorbed_kv_b_proj(weights, self.args.qk_nope_head_dim, self.args.kv_lora_rank)
         return split_fused_experts(stack_expert_weights(weights))
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:

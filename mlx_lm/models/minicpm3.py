@@ -22,7 +22,8 @@ What differs from llama:
   per-frequency short / long factors, switched per forward call as transformers does).
 - transformers' defaults: tied embeddings, rope theta 10000.
 Config: the hub's `rope_theta` / `rope_scaling` ({"type": "longrope", ...}) or
-transformers 5's `rope_parameters`. Weights: the hub's names are transformers' and ours.
+transformers 5's `rope_parameters`. Weights: the hub's names are transformers' and ours;
+checkpoints converted by upstream mlx-lm load too (a quantized kv_b_proj is dequantized).
 Reference: transformers `models/minicpm3/modeling_minicpm3.py`, `configuration_minicpm3.py`.
 """
 
@@ -36,6 +37,7 @@ import mlx.nn as nn
 from . import llama, mla, sharding
 from .base import BaseModelArgs, run_hybrid_layers
 from .cache import KVCache
+from .deepseek_v3 import dequantized
 from .llama import MLP
 from .rope_utils import initialize_rope, resolve_rope
 
@@ -149,6 +151,16 @@ class Model(llama.Model):
         """Token ids (B, L) -> logits (B, L, vocab): the head's output over the final hidden
         state / logits_scaling (the same product; lm_head has no bias)."""
         return super().__call__(inputs, cache, input_embeddings) / self.args.logits_scaling
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """llama's; a kv_b_proj quantized by upstream mlx-lm (which attends over expanded
+        keys and values) dequantized, as the latent attention reads it as a float matrix
+        (guarded by its `.scales`, which it consumes)."""
+        weights = super().sanitize(weights)
+        for key in [k for k in weights if k.endswith(".kv_b_proj.scales")]:
+            name = key[: -len(".scales")]
+            weights[name + ".weight"] = dequantized(weights, name, self.args.kv_lora_rank)
+        return weights
 
     def quant_predicate(self, path: str, module: nn.Module) -> Union[bool, Dict[str, int]]:
         """kv_b_proj is read as a matrix (absorbed into the latent attention): float."""
