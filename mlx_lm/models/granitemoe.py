@@ -22,28 +22,21 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama, mixtral
+from . import granite, llama, mixtral
 from .granitemoehybrid import MoE, Attention, rename_experts
 
 
 @dataclass
-class ModelArgs(llama.ModelArgs):
-    """GraniteMoeConfig's keys (llama's plus these), with its defaults."""
+class ModelArgs(granite.ModelArgs):
+    """GraniteMoeConfig's keys (dense Granite's, with its multipliers, plus the experts),
+    with its defaults."""
 
-    embedding_multiplier: float = 1.0
-    logits_scaling: float = 1.0
-    residual_multiplier: float = 1.0
-    attention_multiplier: float = 1.0
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
-
-    position_embedding_type = "rope"  # what granitemoehybrid's Attention reads: always rope here
 
     def __post_init__(self):
         super().__post_init__()
         mixtral.check_top_k(self.num_experts_per_tok, self.num_local_experts)
-        if self.logits_scaling == 0:
-            raise ValueError("logits_scaling is 0; the logits are divided by it")
 
 
 class DecoderLayer(nn.Module):
@@ -61,18 +54,10 @@ class DecoderLayer(nn.Module):
         return h + self.block_sparse_moe(self.post_attention_layernorm(h)) * self.residual_multiplier
 
 
-class GraniteMoeModel(llama.LlamaModel):
+class GraniteMoeModel(granite.GraniteModel):
+    """Dense Granite's backbone (embeddings times embedding_multiplier) over MoE blocks."""
+
     block_class = DecoderLayer
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.embedding_multiplier = args.embedding_multiplier
-
-    def __call__(
-        self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None
-    ) -> mx.array:
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings  # (B, L, hidden)
-        return super().__call__(inputs, cache, h * self.embedding_multiplier)  # given embeddings scale too
 
 
 class Model(llama.Model):

@@ -61,6 +61,22 @@ def resolve_rope(
     return rope_theta, scaling, partial_rotary_factor
 
 
+def resolve_whole_head_rope(
+    model_type: str,
+    rope_theta: Optional[float],
+    rope_scaling: Optional[Dict[str, Any]],
+    rope_parameters: Optional[Dict[str, Any]],
+    default_theta: float = 10000.0,
+) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """`resolve_rope` for a family whose rope turns every feature of a head: (theta,
+    scaling), theta `default_theta` when neither dialect names one; a ValueError naming
+    the family when a partial_rotary_factor other than 1 is given."""
+    theta, scaling, partial = resolve_rope(rope_theta, rope_scaling, rope_parameters)
+    if partial not in (None, 1.0):
+        raise ValueError(f"{model_type} rotates whole heads; got partial_rotary_factor={partial}")
+    return (default_theta if theta is None else theta), scaling
+
+
 # --- inverse frequencies (numpy, float64): (dims // 2,) each ---------------------------
 
 
