@@ -55,6 +55,20 @@ def check_head_grouping(num_attention_heads: int, num_key_value_heads: int) -> N
         )
 
 
+def resolve_aliases(args: Any, table: Sequence[Tuple[str, str, Any]]) -> None:
+    """Config values that come under either of two keys (transformers' attribute_map:
+    the hub's `n_embd` or `hidden_size`), in place: for each (field, alias, default) of
+    `table` both attributes become the one given, else `default`; a ValueError when
+    both are given and differ."""
+    for field, alias, default in table:
+        value, alias_value = getattr(args, field), getattr(args, alias)
+        if value is not None and alias_value is not None and value != alias_value:
+            raise ValueError(f"{field}={value!r} and {alias}={alias_value!r} disagree; give one of them")
+        chosen = value if value is not None else alias_value if alias_value is not None else default
+        setattr(args, field, chosen)
+        setattr(args, alias, chosen)
+
+
 def create_causal_mask(
     N: int,
     offset: int = 0,
