@@ -23,6 +23,7 @@ from .tuner.utils import load_adapters  # noqa: F401  (upstream exports it here)
 MODEL_REMAPPING = {
     "mistral": "llama",
     "iquestcoder": "llama",
+    "xverse": "llama",  # XVERSE-7B/13B/65B: llama's weights and config keys
     "gemma3_text": "gemma3",
     "gemma3n_text": "gemma3n",
     "gemma4": "gemma4_text",
