@@ -15,7 +15,8 @@ from .draft_length import AcceptanceEstimate
 from .drafters import PromptLookup
 from .models.batch_cache import extend_caches, extract_caches, filter_caches, merge_caches
 from .sample_utils import make_sampler
-from .speculative import SpeculationStats
+from .speculation_stats import SpeculationStats
+from .stop_sequences import StopSequences
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
@@ -44,6 +45,10 @@ class Row:
     total: int  # prompt tokens to feed
     history: Optional[mx.array] = None  # what processors see: the prompt, then each token fed
     num_in_cache: int = 0  # tokens its cache holds (of what it was given to feed)
+    tokens: List[int] = field(default_factory=list)  # what its cache holds when fed: all_tokens, prompt, output
+    num_given: int = 0  # of them, those its given cache already held (all_tokens)
+    segment_ends: List[int] = field(default_factory=list)  # prompt positions where its segments end
+    stop: Optional[StopSequences.Matcher] = None  # its place in its stop sequences
     num_generated: int = 0
     num_sampled: int = 0  # generated tokens drawn (the index of the next draw)
     first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
@@ -167,6 +172,10 @@ class RowTable:
     def extract(self, index: int) -> List[Any]:
         """A copy of row `index`'s caches as ordinary caches (after a catch_up)."""
         return extract_caches(self.caches, index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches or [])
 
     def clear(self) -> None:
         self.rows, self.caches, self.tokens, self.logprobs, self.emit = [], None, None, [], []

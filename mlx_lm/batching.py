@@ -43,7 +43,7 @@ from a solo run only by the rounding of batched matrix products.
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,13 +53,14 @@ from .batch_round import Decision, QueuedRound, Rounds, acceptance_rule
 from .batch_rows import GREEDY, Processor, Row, RowTable, Sampler, run_target, sample_row, sample_rows
 from .draft_length import DRAFT_LENGTHS, BatchDraftLengthPolicy, LearnedBatchDraftLength
 from .drafters import PromptLookup
-from .feeding import DEFAULT_PREFILL_STEP_SIZE
-from .generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
+from .feeding import DEFAULT_PREFILL_STEP_SIZE, check_can_speculate, generation_stream
+from .generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats, StatsWindow
 from .models.batch_cache import bookkeeping, make_room
-from .models.cache import make_prompt_cache
+from .models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from .models.checkpoints import maybe_snapshot
 from .sample_utils import CategoricalSampler, make_sampler
-from .speculative import SpeculationStats, check_can_speculate
+from .speculation_stats import SpeculationStats
+from .stop_sequences import StopSequences
 from .tokenizer_utils import TokenizerWrapper
 from .utils import parameter_dtypes
 
@@ -73,19 +74,29 @@ class BatchResponse:
     stats: BatchStats
     caches: Optional[List[List[Any]]] = None
     token_ids: Optional[List[List[int]]] = None
-    logprobs: Optional[List[List[mx.array]]] = None
+    logprobs: Optional[List[List[float]]] = None  # each generated token's
 
 
 @dataclass
 class PromptProgress:
     """A sequence's prefill advanced: `num_fed` of its `total` prompt tokens are in its
-    cache. When all but the last are, `prompt_cache` is that cache, which the batch no
-    longer touches (a server keeps it for prompts that extend this one)."""
+    cache. When all but the last are (`end_of_prompt`), `prompt_cache` is that cache,
+    which the batch no longer touches (a server keeps it for prompts that extend this
+    one); `end_of_segment`: the feed stopped at the end of one of the prompt's segments
+    (insert_segments). Upstream's PromptProcessingBatch.Response: `progress`."""
 
     uid: int
     num_fed: int
     total: int
     prompt_cache: Optional[List[Any]] = None
+    end_of_segment: bool = False
+    end_of_prompt: bool = False
+
+    @property
+    def progress(self) -> Tuple[int, int]:
+        """(done, total) as upstream counts it: at the end of the prompt all of it, its
+        last token being the first the batch feeds."""
+        return (self.total if self.end_of_prompt else self.num_fed), self.total
 
 
 @dataclass
@@ -94,7 +105,9 @@ class Response:
     sampled from. `finish_reason`: "stop" (a stop token, reported as the token), "length"
     (max_tokens reached) or None. `prompt_cache`: on the last response, when the generator
     returns caches, the sequence's caches (its prompt and every token it generated).
-    `speculation`: a speculating sequence's counts so far."""
+    `all_tokens`, on the last response: what the cache holds (the tokens the given
+    cache held, the prompt, every generated token). `speculation`: a speculating
+    sequence's counts so far."""
 
     uid: int
     token: int
@@ -102,6 +115,7 @@ class Response:
     finish_reason: Optional[str] = None
     prompt_cache: Optional[List[Any]] = None
     speculation: Optional[SpeculationStats] = None
+    all_tokens: Optional[List[int]] = None
 
 
 class BatchGenerator:
@@ -112,8 +126,13 @@ class BatchGenerator:
     their uids; each `next()` does one step and returns (prompt progress, generated
     tokens); `remove` drops sequences at any stage. At most `completion_batch_size`
     sequences are admitted (prefilling or decoding) at once; the rest wait in order.
-    `stop_tokens` end a sequence (the stop token is reported, finish_reason "stop").
-    With `return_prompt_caches`, each finished sequence's last Response carries its caches.
+    `stop_tokens` end a sequence: token ids, or sequences of token ids (the stop
+    sequences; the token completing one is reported, finish_reason "stop"); a row may
+    bring its own (`stop_sequences`). Each finished sequence's last Response carries its
+    caches and tokens (`return_prompt_caches=False`: only its tokens). At most
+    `prefill_batch_size` prompts prefill at once; `max_kv_size` bounds the KV caches
+    made for prompts inserted without one (rotating); `next` runs on `stream`
+    (default: generation_stream).
     With `prompt_lookup`, a `draft_model` (recurrent ones too) or `mtp` (a model with
     a multi-token-prediction head), rows speculate (module docstring); with a draft
     model or MTP a cache list holds the target's entries, then the drafter's (given to
@@ -133,12 +152,15 @@ class BatchGenerator:
         model: nn.Module,
         *,
         max_tokens: int = 128,
-        stop_tokens: Optional[Set[int]] = None,
+        stop_tokens: Optional[Iterable[Union[int, Sequence[int]]]] = None,
         sampler: Optional[Sampler] = None,
         logits_processors: Optional[List[Processor]] = None,
         completion_batch_size: int = 32,
+        prefill_batch_size: int = 8,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-        return_prompt_caches: bool = False,
+        max_kv_size: Optional[int] = None,
+        stream: Optional[mx.Stream] = None,
+        return_prompt_caches: bool = True,
         prompt_lookup: bool = False,
         num_draft_tokens: int = 3,
         max_ngram_size: int = 3,
@@ -146,17 +168,23 @@ class BatchGenerator:
         mtp: bool = False,
         fixed_draft_length: bool = False,
     ):
-        if completion_batch_size < 1:
-            raise ValueError(f"completion_batch_size must be at least 1, got {completion_batch_size}")
+        for name, value in [("completion_batch_size", completion_batch_size), ("prefill_batch_size", prefill_batch_size)]:
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if max_kv_size is not None and max_kv_size < 1:
+            raise ValueError(f"max_kv_size must be positive, got {max_kv_size}")
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
         self.model = model
         self.max_tokens = max_tokens
-        self.stop_tokens = set(stop_tokens or ())
+        self.stop_sequences = StopSequences(stop_tokens)
         self.sampler = sampler or make_sampler()
         self.logits_processors = list(logits_processors or [])
-        self.completion_batch_size = completion_batch_size
+        self.completion_batch_size = completion_batch_size  # (upstream raises it to prefill_batch_size)
+        self.prefill_batch_size = prefill_batch_size
         self.prefill_step_size = prefill_step_size
+        self.max_kv_size = max_kv_size
+        self.stream = stream or generation_stream
         self.return_prompt_caches = return_prompt_caches
         if prompt_lookup + (draft_model is not None) + mtp > 1:
             raise ValueError("give at most one of prompt_lookup=True, a draft_model and mtp=True")
@@ -200,22 +228,46 @@ class BatchGenerator:
         prompts: Sequence[Sequence[int]],
         max_tokens: Union[None, int, Sequence[int]] = None,
         caches: Optional[Sequence[Optional[List[Any]]]] = None,
-        *,
-        cached_tokens: Optional[Sequence[Sequence[int]]] = None,
+        all_tokens: Optional[Sequence[Sequence[int]]] = None,
         samplers: Optional[Sequence[Optional[Sampler]]] = None,
         logits_processors: Optional[Sequence[Optional[List[Processor]]]] = None,
+        stop_sequences: Optional[Sequence[Optional[StopSequences]]] = None,
+        *,
         seeds: Optional[Sequence[Optional[int]]] = None,
         num_draft_tokens: Optional[Sequence[Optional[int]]] = None,
     ) -> List[int]:
-        """Queue `prompts` (lists of token ids); per prompt optionally a cache holding
-        earlier tokens (the prompt is then what follows them) and those tokens
-        (`cached_tokens`: logits processors and prompt lookup see them, then the prompt
-        and what follows), max_tokens (-1: no limit), sampler, logits processors, seed
-        and, when speculating, a cap on drafts per round. Everything is checked before
-        anything is queued. Returns the uids."""
-        n = len(prompts)
-        per_prompt = {"max_tokens": max_tokens, "caches": caches, "samplers": samplers, "cached_tokens": cached_tokens,
-                      "logits_processors": logits_processors, "seeds": seeds, "num_draft_tokens": num_draft_tokens}
+        """Queue `prompts` (lists of token ids); per prompt optionally max_tokens (-1: no
+        limit), a cache holding earlier tokens (the prompt is then what follows them)
+        and those tokens (`all_tokens`: logits processors and prompt lookup see them,
+        then the prompt and what follows), a sampler, logits processors, its stop
+        sequences (default: the generator's), a seed and, when speculating, a cap on
+        drafts per round. Everything is checked before anything is queued. Returns the
+        uids."""
+        return self.insert_segments([[p] for p in prompts], max_tokens, caches, all_tokens, samplers,
+                                    logits_processors, stop_sequences, seeds=seeds,
+                                    num_draft_tokens=num_draft_tokens)
+
+    def insert_segments(
+        self,
+        segments: Sequence[Sequence[Sequence[int]]],
+        max_tokens: Union[None, int, Sequence[int]] = None,
+        caches: Optional[Sequence[Optional[List[Any]]]] = None,
+        all_tokens: Optional[Sequence[Sequence[int]]] = None,
+        samplers: Optional[Sequence[Optional[Sampler]]] = None,
+        logits_processors: Optional[Sequence[Optional[List[Processor]]]] = None,
+        stop_sequences: Optional[Sequence[Optional[StopSequences]]] = None,
+        *,
+        seeds: Optional[Sequence[Optional[int]]] = None,
+        num_draft_tokens: Optional[Sequence[Optional[int]]] = None,
+    ) -> List[int]:
+        """`insert` for prompts given as segments (lists of token-id lists): a prefill
+        chunk never crosses the end of a segment, and the progress reported there says
+        `end_of_segment` (a server keeps the cache of a shared prefix, e.g. a system
+        prompt, at such a boundary)."""
+        n = len(segments)
+        per_prompt = {"max_tokens": max_tokens, "caches": caches, "all_tokens": all_tokens, "samplers": samplers,
+                      "logits_processors": logits_processors, "stop_sequences": stop_sequences, "seeds": seeds,
+                      "num_draft_tokens": num_draft_tokens}
         for name, values in per_prompt.items():
             if values is not None and not isinstance(values, int) and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
@@ -225,20 +277,22 @@ class BatchGenerator:
         def pick(values, i):
             return None if values is None else values[i]
 
-        def cap(i):
-            value = pick(num_draft_tokens, i)
-            return self.num_draft_tokens if value is None else value
-
-        rows = [self._row(prompts[i], max_tokens[i], pick(caches, i), pick(cached_tokens, i) or (),
-                          pick(samplers, i), pick(logits_processors, i), pick(seeds, i), cap(i))
+        rows = [self._row(segments[i], max_tokens[i], pick(caches, i), pick(all_tokens, i) or (), pick(samplers, i),
+                          pick(logits_processors, i), pick(stop_sequences, i), pick(seeds, i),
+                          self.num_draft_tokens if pick(num_draft_tokens, i) is None else num_draft_tokens[i])
                 for i in range(n)]
+        for r in rows:  # numbered once all are checked
+            r.uid, self._next_uid = self._next_uid, self._next_uid + 1
         self._queued.extend(rows)
         return [r.uid for r in rows]
 
-    def _row(self, prompt, max_tokens, cache, cached_tokens, sampler, processors, seed, num_draft_tokens) -> Row:
-        tokens = mx.array(list(prompt), dtype=mx.uint32)
+    def _row(self, segments, max_tokens, cache, all_tokens, sampler, processors, stop, seed,
+             num_draft_tokens) -> Row:
+        segments = [list(s) for s in segments if len(s)]
+        prompt = [t for s in segments for t in s]
+        tokens = mx.array(prompt, dtype=mx.uint32)
         if tokens.ndim != 1 or tokens.size == 0:
-            raise ValueError(f"each prompt must be a non-empty list of token ids, got {list(prompt)!r}")
+            raise ValueError(f"each prompt must be a non-empty list of token ids, got {prompt!r}")
         if max_tokens != -1 and max_tokens < 1:
             raise ValueError(f"max_tokens must be positive or -1 (no limit), got {max_tokens}")
         if num_draft_tokens < 1:
@@ -248,23 +302,34 @@ class BatchGenerator:
             raise ValueError(f"a seed needs a sampler from make_sampler, which draws with the row's own keys; "
                              f"got {sampler!r}")
         if cache is None:
-            cache = make_prompt_cache(self.model) + (self._drafter.make_cache() if self._drafter else [])
+            cache = self._fresh_target_cache() + (self._drafter.make_cache() if self._drafter else [])
         elif len(cache) != self._num_target + self._num_draft:
             whose = "MTP head" if isinstance(self._drafter, BatchMTPHead) else "draft model"
             draft = f", then the {whose}'s {self._num_draft}" if self._drafter else ""
             raise ValueError(f"a cache of {len(cache)} entries does not fit: give the target's {self._num_target} "
                              f"entries{draft}")
         processors = self.logits_processors if processors is None else list(processors)
-        seen = list(cached_tokens) + list(prompt)
-        row = Row(self._next_uid, tokens, cache, max_tokens, sampler, processors,
+        seen = list(all_tokens) + prompt
+        ends = [sum(len(s) for s in segments[: j + 1]) for j in range(len(segments))]
+        row = Row(-1, tokens, cache, max_tokens, sampler, processors,
                   None if sampler is GREEDY else seed, total=tokens.size,
-                  history=mx.array(seen, dtype=mx.uint32) if processors else None, num_draft_tokens=num_draft_tokens)
+                  history=mx.array(seen, dtype=mx.uint32) if processors else None, num_draft_tokens=num_draft_tokens,
+                  tokens=seen, num_given=len(all_tokens), segment_ends=ends,
+                  stop=(stop if stop is not None else self.stop_sequences).matcher())
         row.acceptance = self._policy.new_row()
         row.speculation = SpeculationStats(acceptance_rule=acceptance_rule(sampler)) if self.speculating else None
         if self.prompt_lookup:
             row.lookup = PromptLookup(self.max_ngram_size, context=seen)
-        self._next_uid += 1
         return row
+
+    def _fresh_target_cache(self) -> List[Any]:
+        """The target's entries for a prompt inserted without a cache: with max_kv_size
+        its growing KV caches become windows of that size (without the sink tokens
+        make_prompt_cache keeps, which a batch cannot hold: as upstream's batch)."""
+        cache = make_prompt_cache(self.model)
+        if self.max_kv_size is None:
+            return cache
+        return [RotatingKVCache(self.max_kv_size) if type(c) is KVCache else c for c in cache]
 
     def __len__(self) -> int:
         """Sequences not finished: queued, prefilling or decoding."""
@@ -272,30 +337,36 @@ class BatchGenerator:
 
     def _admit(self) -> None:
         admitted = len(self._prefilling) + len(self._ready) + len(self._table)
-        while self._queued and admitted < self.completion_batch_size:
+        while self._queued and admitted < self.completion_batch_size and len(self._prefilling) < self.prefill_batch_size:
             self._prefilling.append(self._queued.popleft())
             admitted += 1
 
     def _prefill_some(self) -> List[PromptProgress]:
-        """Prefill admitted prompts in generate_step's chunks until about
-        prefill_step_size tokens went in (always whole chunks, so caches equal solo)."""
+        """Prefill admitted prompts in generate_step's chunks (cut at segment ends)
+        until about prefill_step_size tokens went in (always whole chunks, so caches
+        equal solo)."""
         self._admit()
         progress, budget = [], self.prefill_step_size
         while self._prefilling and budget > 0:
             r = self._prefilling[0]
-            n = min(self.prefill_step_size, r.prompt.size - 1)
+            fed = r.total - r.prompt.size
+            segment_end = next(end for end in r.segment_ends if end > fed)
+            n = min(self.prefill_step_size, r.prompt.size - 1, segment_end - fed)
             if n > 0:
                 self._prefill_chunk(r, r.prompt[: n + 1])
                 r.prompt, r.num_in_cache, budget = r.prompt[n:], r.num_in_cache + n, budget - n
                 self._stats.prompt_tokens += n
+            if n > 0:
+                progress.append(PromptProgress(r.uid, fed + n, r.total, end_of_segment=fed + n == segment_end))
             if r.prompt.size > 1:
-                progress.append(PromptProgress(r.uid, r.total - r.prompt.size, r.total))
                 continue
             self._prefilling.pop(0)
             if any(c.empty() for c in r.cache[: self._num_target]):  # nothing to merge yet: its first token alone
                 self._first_alone(r)
+                progress.append(PromptProgress(r.uid, r.total, r.total, end_of_segment=True, end_of_prompt=True))
             else:
-                progress.append(PromptProgress(r.uid, r.total - 1, r.total, prompt_cache=r.cache))
+                progress.append(PromptProgress(r.uid, r.total - 1, r.total, prompt_cache=r.cache,
+                                               end_of_segment=True, end_of_prompt=True))
             self._ready.append(r)
         return progress
 
@@ -334,18 +405,22 @@ class BatchGenerator:
     def next(self) -> Tuple[List[PromptProgress], List[Response]]:
         """One step: prefill some waiting prompts, admit the ready ones, one batched
         forward; returns the prompt progress made and the tokens generated."""
-        tic = time.perf_counter()
-        progress = self._prefill_some()
-        self._stats.prompt_time += time.perf_counter() - tic
-        tic = time.perf_counter()
-        responses = self._decode_step()
-        self._stats.decode_time += time.perf_counter() - tic
+        with mx.stream(self.stream):
+            tic = time.perf_counter()
+            progress = self._prefill_some()
+            self._stats.prompt_time += time.perf_counter() - tic
+            tic = time.perf_counter()
+            responses = self._decode_step()
+            self._stats.decode_time += time.perf_counter() - tic
         self._stats.generation_steps += bool(responses)
         return progress, responses
 
     def next_generated(self) -> List[Response]:
-        """One step; only the generated tokens."""
-        return self.next()[1]
+        """Steps until one generates tokens, or nothing is left (then []): the tokens."""
+        while True:
+            responses = self.next()[1]
+            if responses or not len(self):
+                return responses
 
     def _decode_step(self) -> List[Response]:
         rounds, table = self._rounds, self._table
@@ -447,9 +522,11 @@ class BatchGenerator:
     def _emit_token(self, r: Row, token: int, logprobs: mx.array, responses: List[Response]) -> bool:
         """Report a generated token (already fed); True if it ends the sequence."""
         r.num_generated += 1
+        r.tokens.append(token)
         self._stats.generation_tokens += 1
-        reason = "stop" if token in self.stop_tokens else "length" if r.num_generated == r.max_tokens else None
-        responses.append(Response(r.uid, token, logprobs, reason, speculation=r.speculation))
+        reason = "stop" if r.stop.advance(token) else "length" if r.num_generated == r.max_tokens else None
+        responses.append(Response(r.uid, token, logprobs, reason, speculation=r.speculation,
+                                  all_tokens=r.tokens if reason else None))
         return reason is not None
 
     def _retire(self, rows: List[int], responses: List[Response]) -> None:
@@ -466,37 +543,52 @@ class BatchGenerator:
 
     # ------------------------------------------------------------------ removal
 
-    def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> Dict[int, Tuple[List[Any], int]]:
+    def remove(self, uids: Sequence[int],
+               return_prompt_caches: bool = False) -> Dict[int, Tuple[List[Any], List[int]]]:
         """Drop sequences at whatever stage they are. With `return_prompt_caches`:
-        uid -> (its caches, how many of the tokens it was given they hold: prompt
-        tokens fed, then generated tokens)."""
-        wanted, removed = set(uids), {}
+        uid -> (its caches, the tokens they hold: all_tokens, the prompt tokens fed,
+        then the generated tokens), as extract_cache gives them."""
+        removed = self.extract_cache(uids) if return_prompt_caches else {}
+        wanted = set(uids)
         for stage in (self._queued, self._prefilling, self._ready):
             for r in [r for r in stage if r.uid in wanted]:
                 stage.remove(r)
-                removed[r.uid] = (r.cache, r.num_in_cache)
+        rows = [i for i, r in enumerate(self._table.rows) if r.uid in wanted]
+        if rows:
+            self._rounds.cancel()
+            self._table.catch_up()
+            self._rounds.untimed()
+            self._table.drop(rows)
+        return removed
+
+    def extract_cache(self, uids: Sequence[int]) -> Dict[int, Tuple[List[Any], List[int]]]:
+        """uid -> (its caches, the tokens they hold) for sequences `uids` at any stage,
+        which keep running: a decoding row's caches are a copy; a waiting one's are
+        the ones it prefills."""
+        wanted, found = set(uids), {}
+        for r in [*self._queued, *self._prefilling, *self._ready]:
+            if r.uid in wanted:
+                found[r.uid] = (r.cache, r.tokens[: r.num_given + r.num_in_cache])
         rows = [i for i, r in enumerate(self._table.rows) if r.uid in wanted]
         if rows:
             self._rounds.cancel()
             self._table.catch_up()
         for i in rows:
             r = self._table.rows[i]
-            removed[r.uid] = (self._table.extract(i) if return_prompt_caches else None, r.num_in_cache)
-        if rows:
-            self._rounds.untimed()
-            self._table.drop(rows)
-        return removed if return_prompt_caches else {}
+            found[r.uid] = (self._table.extract(i), r.tokens[: r.num_given + r.num_in_cache])
+        return found
 
-    def extract_cache(self, uids: Sequence[int]) -> Dict[int, List[Any]]:
-        """Copies of the caches of active sequences `uids`, which keep running."""
-        rows = {r.uid: i for i, r in enumerate(self._table.rows)}
-        self._rounds.cancel()
-        self._table.catch_up()
-        return {uid: self._table.extract(rows[uid]) for uid in uids if uid in rows}
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        """Bytes of every cache the generator holds (waiting sequences' and the batch's)."""
+        waiting = [c for r in [*self._queued, *self._prefilling, *self._ready] for c in r.cache]
+        return sum(c.nbytes for c in waiting) + self._table.nbytes
 
-    def stats(self) -> BatchStats:
-        """What the generator did since it was made (generate_utils.BatchStats)."""
-        return BatchCountersSnapshot.between(self._created, BatchCountersSnapshot(**vars(self._stats)))
+    def stats(self) -> StatsWindow:
+        """What the generator did since it was made (a generate_utils.BatchStats); as a
+        context manager, a BatchStats of what it does inside the block (upstream's)."""
+        totals = BatchCountersSnapshot.between(self._created, BatchCountersSnapshot(**vars(self._stats)))
+        return StatsWindow(totals, self._stats)
 
     def close(self) -> None:
         self._queued.clear()
@@ -530,15 +622,15 @@ def batch_generate(
     uids = generator.insert(token_prompts, max_tokens, caches=prompt_caches)
     order = {uid: i for i, uid in enumerate(uids)}
     tokens: List[List[int]] = [[] for _ in uids]
-    logprobs: List[List[mx.array]] = [[] for _ in uids]
+    logprobs: List[List[float]] = [[] for _ in uids]
     caches: List[Optional[List[Any]]] = [None] * len(uids)
     while len(generator):
         for r in generator.next_generated():
             i = order[r.uid]
             if r.finish_reason != "stop":
                 tokens[i].append(r.token)
-                if return_logprobs:
-                    logprobs[i].append(r.logprobs)
+                if return_logprobs:  # (as upstream: the chosen token's)
+                    logprobs[i].append(r.logprobs[r.token].item())
             if r.finish_reason is not None:
                 caches[i] = r.prompt_cache
                 if verbose:

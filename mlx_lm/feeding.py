@@ -186,3 +186,19 @@ def processed_logprobs(
             rows.append(row)
         logits = mx.concatenate(rows)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def check_can_speculate(model: nn.Module, prompt_cache: List[Any], role: str,
+                        who: str = "Speculative decoding") -> None:
+    """Every entry must be able to give back rejected tokens: trimmable caches, caches
+    that record themselves (sliding windows), or recurrent states whose model's layers
+    record rollbacks (`supports_speculative_rollback`). `role`: "target model" or
+    "draft model"; `who` asks (e.g. "a draft model in a batch")."""
+    # Models written for upstream mlx-lm do not declare the attribute: they don't record.
+    layers_record = getattr(type(model), "supports_speculative_rollback", False)
+    blocked = sorted({type(c).__name__ for c in prompt_cache if c.needs_layer_records and not layers_record})
+    if blocked:
+        raise ValueError(
+            f"{who} needs every cache of the {role} ({type(model).__module__}) to roll back, but "
+            f"{', '.join(blocked)} entries cannot: its layers do not record rollbacks"
+        )

@@ -38,11 +38,9 @@ from .fast_blas import blas_line
 from .models import cache
 from .models.cache import maybe_quantize_kv_cache  # noqa: F401  (upstream's name here)
 from .sample_utils import make_sampler
-from .speculative import (  # noqa: F401  (upstream keeps speculative_generate_step here)
-    SpeculationStats,
-    check_same_tokenizer,
-    speculative_generate_step,
-)
+from .speculation_stats import SpeculationStats
+from .speculative import check_same_tokenizer, speculative_generate_step  # noqa: F401  (upstream's home)
+from .stop_sequences import StopSequences  # noqa: F401  (upstream's home)
 from .tokenizer_utils import TokenizerWrapper
 from .text_state_machine import TextStateMachine, make_text_state_machine  # noqa: F401  (upstream's home)
 

@@ -115,3 +115,26 @@ class BatchStats(BatchCounters):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_memory = max(self.peak_memory, other.peak_memory)
         return self
+
+
+class StatsWindow(BatchStats):
+    """What `BatchGenerator.stats()` returns: the generator's totals since it was made,
+    and, used as a context manager (upstream's `with generator.stats() as stats:`), a
+    fresh BatchStats that receives what is counted inside the block (windows nest)."""
+
+    def __init__(self, totals: BatchStats, counters: BatchCounters):
+        super().__init__(**{f.name: getattr(totals, f.name) for f in fields(BatchStats)})
+        self._counters, self._opened = counters, []
+
+    def _reading(self) -> BatchCountersSnapshot:
+        return BatchCountersSnapshot(**{name: getattr(self._counters, name) for name in COUNTED})
+
+    def __enter__(self) -> BatchStats:
+        window = BatchStats()
+        self._opened.append((self._reading(), window))
+        return window
+
+    def __exit__(self, *exc) -> bool:
+        start, window = self._opened.pop()
+        window += BatchCountersSnapshot.between(start, self._reading())
+        return False

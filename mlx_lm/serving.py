@@ -62,7 +62,7 @@ from .batching import BatchGenerator, PromptProgress, Response
 from .drafters import DraftModel, MTPHead, PromptLookup, check_mtp_head
 from .feeding import DEFAULT_PREFILL_STEP_SIZE, CachedModel, prefill
 from .generate import GenerationResponse, SpeculationStats, check_same_tokenizer, stream_generate
-from .speculative import check_can_speculate
+from .feeding import check_can_speculate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .chat_output import ChatPlan, forced_call_prefix, plan_chat, template_tools
 from .metrics import Metrics
@@ -739,7 +739,7 @@ class BatchWorker(GenerationWorker):
         # Penalties and lookups also see the part of the prompt already in the cache.
         uid = self.generator.insert(
             [fetched.remaining], [max_tokens], caches=[cache],
-            cached_tokens=[tokens[: fetched.num_cached]], samplers=[sampler], logits_processors=[processors],
+            all_tokens=[tokens[: fetched.num_cached]], samplers=[sampler], logits_processors=[processors],
             seeds=[request.seed % (1 << 64) if seeded else None], num_draft_tokens=[request.num_draft_tokens],
         )[0]
         self.streams[uid] = _Stream(job, served, tokens, fetched.num_cached)
@@ -808,8 +808,8 @@ class BatchWorker(GenerationWorker):
         sequence = stream.tokens + stream.emitted
         num_held, prompt_cache = len(sequence), stream.final_cache
         if not stream.retired:
-            prompt_cache, num_fed = self.generator.remove([uid], return_prompt_caches=True)[uid]
-            num_held = stream.num_cached + num_fed
+            prompt_cache, held = self.generator.remove([uid], return_prompt_caches=True)[uid]
+            num_held = len(held)
         if num_held > stream.num_cached:
             stream.served.prompt_cache.insert(sequence[:num_held], prompt_cache)
         kind = stream.job.request.kind

@@ -114,14 +114,14 @@ def test_removed_row_leaves_the_others_and_its_cache_continues(name):
     uids = generator.insert(prompts)
     out = run(generator, steps=5)
     removed = generator.remove([uids[1]], return_prompt_caches=True)
-    cache, num_held = removed[uids[1]]
+    cache, held = removed[uids[1]]
     for uid, tokens in run(generator).items():
         out[uid] += tokens
     for uid, p in zip(uids, prompts):
         want = solo(model, p, 10)
         if uid == uids[1]:
             got = out[uid]
-            assert got == want[: len(got)] and num_held == len(p) + len(got)
+            assert got == want[: len(got)] and held == p + got
             # The removed row's cache holds the prompt and its tokens: decoding on from it
             # gives the rest of the solo answer.
             cont = generate_step(mx.array(want[len(got) : len(got) + 1]), model, max_tokens=3, prompt_cache=cache)
@@ -588,13 +588,14 @@ def test_a_queued_round_is_undone_when_rows_are_removed_or_copied(name, monkeypa
             # It goes on as the fresh feed does (a window left short wrote past its buffer).
             assert mx.allclose(m(mx.array([[7]]), cache=half), m(mx.array([[7]]), cache=fresh), atol=1e-4)
 
-    copy = generator.extract_cache([uids[0]])[uids[0]]
+    copy, held = generator.extract_cache([uids[0]])[uids[0]]
+    assert held == prompts[0] + out[uids[0]]
     assert_holds(copy, prompts[0] + out[uids[0]])
     while not generator._rounds.queued:
         for r in generator.next_generated():
             out.setdefault(r.uid, []).append(r.token)
-    cache, num_held = generator.remove([uids[1]], return_prompt_caches=True)[uids[1]]
-    assert num_held == len(prompts[1]) + len(out[uids[1]])
+    cache, held = generator.remove([uids[1]], return_prompt_caches=True)[uids[1]]
+    assert held == prompts[1] + out[uids[1]]
     assert_holds(cache, prompts[1] + out[uids[1]])
     for r_uid, tokens in run(generator).items():
         out[r_uid] += tokens
@@ -622,14 +623,14 @@ def test_speculating_rows_stop_and_leave_with_exact_caches(monkeypatch):
             caches[r.uid] = r.prompt_cache
         steps += 1
         if steps == 3 and uids[1] in generator.extract_cache([uids[1]]):
-            (removed, num_held), = generator.remove([uids[1]], return_prompt_caches=True).values()
+            (removed, held), = generator.remove([uids[1]], return_prompt_caches=True).values()
     for i, uid in enumerate(uids):
         want = answers[i][: answers[i].index(stop) + 1] if stop in answers[i] else answers[i]
         got = out[uid]
         assert got == want[: len(got)] and (i == 1 or got == want), i
         cache = removed if i == 1 else caches[uid]
         if i == 1:
-            assert num_held == len(prompts[1]) + len(got)
+            assert held == prompts[1] + got
         fresh = make_prompt_cache(model)
         model(mx.array(prompts[i] + got)[None], cache=fresh)  # the same tokens fed at once
         assert_same_caches(cache, fresh)

@@ -233,13 +233,13 @@ def test_input_embeddings_are_checked(tiny, tmp_path):
 
 
 def test_generation_runs_on_generation_stream():
-    from mlx_lm import drafters
+    from mlx_lm import feeding
     from mlx_lm.generate import generation_stream
 
-    assert generation_stream is drafters.generation_stream and isinstance(generation_stream, mx.ThreadLocalStream)
+    assert generation_stream is feeding.generation_stream and isinstance(generation_stream, mx.ThreadLocalStream)
     seen = []
 
-    @drafters.on_generation_stream
+    @feeding.on_generation_stream
     def probe():
         seen.append(mx.default_stream(mx.default_device()))
 

@@ -14,7 +14,7 @@ from mlx_lm.draft_length import expected_tokens
 from mlx_lm.metrics import Metrics
 from mlx_lm.openai_api import GenerationResult, ServerDefaults, parse_request, usage
 from mlx_lm.serving import BatchWorker, GenerationWorker, Job, ModelProvider
-from mlx_lm.speculative import SpeculationStats, speedup_bound
+from mlx_lm.speculation_stats import SpeculationStats, speedup_bound
 
 # ---------------------------------------------------------------------------
 # A strict reader of the text exposition format (version 0.0.4).

@@ -497,10 +497,12 @@ def test_a_queued_mtp_round_is_undone_when_rows_are_removed_or_copied(checkpoint
             np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-4)
 
     step_until_queued(3)
-    assert_holds(generator.extract_cache([uids[0]])[uids[0]], prompts[0] + out[uids[0]])
+    copy, held = generator.extract_cache([uids[0]])[uids[0]]
+    assert held == prompts[0] + out[uids[0]]
+    assert_holds(copy, prompts[0] + out[uids[0]])
     step_until_queued(4)
-    cache, num_held = generator.remove([uids[1]], return_prompt_caches=True)[uids[1]]
-    assert num_held == len(prompts[1]) + len(out[uids[1]])
+    cache, held = generator.remove([uids[1]], return_prompt_caches=True)[uids[1]]
+    assert held == prompts[1] + out[uids[1]]
     assert_holds(cache, prompts[1] + out[uids[1]])
     while len(generator):
         for r in generator.next_generated():
@@ -554,7 +556,7 @@ def test_a_batch_row_continues_a_returned_cache(checkpoints):
         model(mx.array(PROMPT + first)[None], cache=plain_cache)
         want = [t for t, _ in generate_step(mx.array(turn), model, max_tokens=10, prompt_cache=plain_cache)]
         uid, = generator.insert([turn], max_tokens=10, caches=[copy_prompt_cache(cache)],
-                                cached_tokens=[PROMPT + first])
+                                all_tokens=[PROMPT + first])
         got = []
         while len(generator):
             for r in generator.next_generated():

@@ -40,9 +40,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import (
-    BATCH_CLASSES, ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, SharedKVReader,
-    check_kv_quantization_params, int_list, merge_entries,
+    ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, SharedKVReader,
+    check_kv_quantization_params,
 )
+from .cache_base import BATCH_CLASSES, int_list, merge_entries
 from .masks import chunked_mask_for_positions
 
 

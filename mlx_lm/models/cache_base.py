@@ -1,0 +1,211 @@
+"""What every cache class shares (models/cache.py has the classes): the protocol
+(`_BaseCache`), append-only buffer growth, the rollback log of a speculating cache, and
+the registry of the batched classes (filled by models/batch_cache.py)."""
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .masks import create_causal_mask
+
+
+def _grow(buffer: Optional[mx.array], used: int, needed: int, like: mx.array, step: int, limit=None):
+    """A (B, H, capacity, D) buffer holding the first `used` rows of `buffer` and room
+    for `needed` rows; capacity rounds up to `step` (at most `limit`), so appending one
+    token at a time reallocates once per `step` tokens."""
+    capacity = -(-needed // step) * step
+    if limit is not None:
+        capacity = min(capacity, limit)
+    B, H, _, D = like.shape
+    spare = mx.zeros((B, H, capacity - used, D), like.dtype)
+    if buffer is None or used == 0:
+        return spare
+    return mx.concatenate([buffer[..., :used, :], spare], axis=2)
+
+
+# Default bound on what a speculating cache can rewind, in tokens.
+ROLLBACK_WINDOW = 64
+
+
+class RollbackLog:
+    """Newest-last records of the forwards a cache took part in while speculating.
+
+    A record is (num_tokens, rewind): `rewind(m)` puts the cache in the exact state it
+    had after only the first m of that forward's num_tokens tokens (m = 0: before it).
+    Records stack (a draft model adds one per single-token step). Once the newer records
+    alone cover `window` tokens the oldest is dropped, bounding what stays alive.
+    """
+
+    def __init__(self, window: int = ROLLBACK_WINDOW):
+        if window < 1:
+            raise ValueError(f"rollback window must be at least 1 token, got {window}")
+        self.window = window
+        self.records: List[Tuple[int, Callable[[int], None]]] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.records)
+
+    def push(self, num_tokens: int, rewind: Callable[[int], None]) -> None:
+        self.records.append((num_tokens, rewind))
+        while len(self.records) > 1 and self.num_tokens - self.records[0][0] >= self.window:
+            self.records.pop(0)
+
+    def rewind(self, n: int) -> None:
+        """Undo the last n tokens, newest record first; a partly undone record stays
+        as a shorter one (its rewind still reaches every shorter prefix)."""
+        if n > self.num_tokens:
+            raise RuntimeError(
+                f"Cannot roll back {n} tokens: only {self.num_tokens} are recorded "
+                f"(rollback window {self.window})"
+            )
+        while n > 0:
+            num_tokens, rewind = self.records.pop()
+            keep = max(num_tokens - n, 0)
+            rewind(keep)
+            if keep:
+                self.records.append((keep, rewind))
+            n -= num_tokens - keep
+
+
+class _BaseCache:
+    """The protocol; each cache class implements every method explicitly.
+
+    `needs_layer_records`: the entry can only rewind while speculating if the model's
+    layers call `record_rollback` (a recurrent state); models whose layers do set
+    `supports_speculative_rollback = True`.
+    """
+
+    needs_layer_records = False
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        raise NotImplementedError
+
+    def stop_speculation(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def state(self):
+        raise NotImplementedError
+
+    @property
+    def meta_state(self):
+        raise NotImplementedError
+
+    def is_trimmable(self) -> bool:
+        raise NotImplementedError
+
+    def trim(self, n: int) -> int:
+        raise NotImplementedError
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        """Rebuild without __init__: the setters restore every attribute."""
+        obj = cls.__new__(cls)
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj
+
+    @classmethod
+    def merge(cls, caches: Sequence["_BaseCache"]):
+        """Upstream's: one layer's caches of several sequences (one kind, whichever class
+        this is called on) as the batched cache holding them side by side."""
+        return merge_entries(caches)
+
+
+class _AppendOnlyCache(_BaseCache):
+    """A cache holding every token seen, `offset` of them: trimming forgets exactly by
+    moving `offset` back (rows past it are overwritten later), so speculation needs no
+    records."""
+
+    offset: int
+
+    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
+        """The causal mask of num_queries new tokens over every token held; None when
+        each query sees every key, "causal" (unless `return_array`) when the plain
+        causal mask is exact, else the (N, offset + N) boolean array."""
+        sees_all = window_size is None or self.offset + num_queries <= window_size
+        if num_queries == 1 and (window_size is None or self.offset < window_size):
+            return None
+        if sees_all and not return_array:
+            return "causal"
+        return create_causal_mask(num_queries, self.offset, window_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
+        pass
+
+    def stop_speculation(self) -> None:
+        pass
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        if n > self.offset:
+            raise ValueError(f"Cannot trim {n} tokens from a {type(self).__name__} holding {self.offset}")
+        self.offset -= n
+        return n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+# ---------------------------------------------------------------------------
+# Batched caches (upstream's names for the classes of models/batch_cache.py).
+#
+# The batched classes build on the ones here, so cache_base cannot import them:
+# batch_cache.py registers the class that batches each kind when it is imported (the
+# models package imports it first), and upstream's `KVCache.merge(caches)` and
+# `from mlx_lm.models.cache import BatchKVCache` reach them through the registry.
+
+BATCH_CLASSES: Dict[type, type] = {}  # exact cache class -> the class holding its rows
+
+
+def int_list(values) -> List[int]:
+    """Row numbers or counts given as a list or an mx.array, as Python ints."""
+    return values.tolist() if isinstance(values, mx.array) else [int(v) for v in values]
+
+
+def check_unpadded(name: str, padding) -> None:
+    """Recurrent caches take no padding (ArraysCache.__init__ says why)."""
+    if padding is not None and any(int_list(padding)):
+        raise ValueError(
+            f"a recurrent cache cannot take {name}={int_list(padding)}: the recurrent layers do not mask "
+            "padded tokens, so prefill each row alone and merge the rows (ArraysCache.merge)"
+        )
+
+
+def batch_class(entry: Any) -> type:
+    cls = BATCH_CLASSES.get(type(entry))
+    if cls is None:
+        raise ValueError(
+            f"{type(entry).__name__} entries cannot be batched; batchable kinds: "
+            f"{', '.join(c.__name__ for c in BATCH_CLASSES)}"
+        )
+    return cls
+
+
+def merge_entries(entries: Sequence[Any]) -> Any:
+    """One layer's entries of several rows (ordinary caches) as one batched entry."""
+    if not len(entries):
+        raise ValueError("merging caches needs the cache of at least one sequence, got none")
+    kinds = sorted({type(e).__name__ for e in entries})
+    if len(kinds) > 1:
+        raise ValueError(f"one layer's rows hold different cache kinds ({', '.join(kinds)}); a batch needs one "
+                         "kind per layer (e.g. every row's KV quantized, or none)")
+    return batch_class(entries[0]).merge(entries)
