@@ -24,7 +24,7 @@ from .lru_prompt_cache import LRUPromptCache
 from .openai_api import DEFAULT_MODEL_NAME, GenerationRequest
 from .serving import FALLBACK_CONTEXT_LENGTH, ModelProvider, ServedModel, context_length, model_id
 from .serving import _always_trimmable  # ServedModel's own rule for which caches need prefix copies
-from .speculative import check_can_speculate
+from .feeding import check_can_speculate
 from .tokenizer_utils import TokenizerWrapper
 
 
@@ -62,8 +62,8 @@ class ProvidedModel(ServedModel):
         fresh = self.make_cache()
         if self.draft_model is not None:  # before serving, as ServedModel
             num_target = len(model.layers)
-            check_can_speculate(model, fresh[:num_target], "speculative decoding's target model")
-            check_can_speculate(self.draft_model, fresh[num_target:], "speculative decoding's draft model")
+            check_can_speculate(model, fresh[:num_target], "target model")
+            check_can_speculate(self.draft_model, fresh[num_target:], "draft model")
         self.snapshot_prompts = prompt_cache.max_size > 0 and not all(_always_trimmable(c) for c in fresh)
 
 

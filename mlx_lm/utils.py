@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, 
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from . import compressed_tensors, tokenizer_utils
 from .tokenizer_utils import TokenizerWrapper
@@ -499,12 +499,22 @@ def compute_dtype(dtype: Optional[str] = None, device: Optional[mx.Device] = Non
     return None, "auto: the checkpoint's own dtypes"
 
 
+# Router biases that choose experts (added to the scores before the top-k): transformers
+# keeps them float32, and rounded to bf16 they change which experts win.
+FLOAT32_PARAMETERS = ("e_score_correction_bias", "expert_bias")
+
+
 def cast_floats(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     """Cast every floating point parameter (norms, biases and quantization scales
-    included) to `dtype`; integer tensors (packed weights, MXFP scales) stay as they are."""
-    model.update(
-        tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters())
-    )
+    included) to `dtype`, except the router biases of FLOAT32_PARAMETERS (float32);
+    integer tensors (packed weights, MXFP scales) stay as they are."""
+
+    def cast(path: str, p: mx.array) -> mx.array:
+        if not mx.issubdtype(p.dtype, mx.floating):
+            return p
+        return p.astype(mx.float32 if path.rsplit(".", 1)[-1] in FLOAT32_PARAMETERS else dtype)
+
+    model.update(tree_map_with_path(cast, model.parameters()))
     return model
 
 

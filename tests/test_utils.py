@@ -287,3 +287,19 @@ def test_parameter_count_and_bits_per_weight_float_and_quantized(tiny_llama_dir)
     assert compute_bits_per_weight(model) == pytest.approx((5 * matrices + 32 * norms) / (matrices + norms))
     assert [common_prefix_len(a, b) for a, b in [([1, 2, 3], [1, 2, 4]), ([1, 2], [1, 2, 3]), ([], [1]), ([5], [6])]] \
         == [2, 2, 0, 0]
+
+
+def test_cast_floats_keeps_router_biases_in_float32():
+    from mlx_lm.utils import cast_floats
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = mx.ones((4, 8))
+            self.e_score_correction_bias = mx.array([0.1, 1e-4, 3.0, -2.0])
+            self.expert_bias = mx.zeros((4,))
+
+    gate = cast_floats(Gate(), mx.bfloat16)
+    assert gate.weight.dtype == mx.bfloat16
+    assert gate.e_score_correction_bias.dtype == mx.float32 and gate.expert_bias.dtype == mx.float32
+    assert gate.e_score_correction_bias[1].item() == mx.array(1e-4).item()
