@@ -43,7 +43,7 @@ from .cache import (
     ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, SharedKVReader,
     check_kv_quantization_params,
 )
-from .cache_base import BATCH_CLASSES, int_list, merge_entries
+from .cache_base import BATCH_CLASSES, RollbackLog, int_list, merge_entries
 from .masks import chunked_mask_for_positions
 
 
@@ -617,9 +617,7 @@ class BatchArraysCache(_NotSaved, ArraysCache):
     forward), a draft model steps K times (a window of K + 1). A trim commits everything
     recorded."""
 
-    _speculating = False
-    _window = 1
-    _records: List[Tuple[int, Callable, List[Optional[mx.array]]]] = []  # newest last
+    _rollbacks: Optional[RollbackLog] = None  # while speculating: records (num_tokens, (replay, snapshot))
     bookkeeping: List[mx.array] = []  # the state is each step's output
 
     @classmethod
@@ -643,7 +641,9 @@ class BatchArraysCache(_NotSaved, ArraysCache):
 
     def _like(self, arrays: List[Optional[mx.array]], num_rows: int) -> "BatchArraysCache":
         made = BatchArraysCache(len(arrays))
-        made.cache, made._speculating, made._window = arrays, self._speculating, self._window
+        made.cache = arrays
+        # Speculating as these rows, without their records (they replay the rows they were taken of).
+        made._rollbacks = None if self._rollbacks is None else RollbackLog(self._rollbacks.window)
         made._rows_without_state = num_rows if arrays[0] is None else 0
         return made
 
@@ -663,7 +663,9 @@ class BatchArraysCache(_NotSaved, ArraysCache):
                                  "(prefill a token alone first)")
             joined.append(theirs if mine is None else mine if theirs is None else mx.concatenate([mine, theirs]))
         rows = self.batch_size + num_rows
-        self.cache, self._records = joined, []  # records replay the rows they were taken of
+        self.cache = joined
+        if self._rollbacks is not None:
+            self._rollbacks.records = []  # records replay the rows they were taken of
         self._rows_without_state = rows if joined[0] is None else 0
         return self
 
@@ -678,30 +680,18 @@ class BatchArraysCache(_NotSaved, ArraysCache):
         row.cache = [None if a is None else mx.contiguous(a[index : index + 1]) for a in self.cache]
         return row
 
-    @property
-    def speculating(self) -> bool:
-        return self._speculating
-
     def start_speculation(self, rollback_window: int = 1) -> None:
-        self._speculating, self._window, self._records = True, max(rollback_window, 1), []
-
-    def stop_speculation(self) -> None:
-        self._speculating, self._records = False, []
+        self._rollbacks = RollbackLog(max(rollback_window, 1))
 
     def record_rollback(self, num_tokens: int, fn: Callable, snapshot: List[Optional[mx.array]]) -> None:
-        if not self._speculating:
+        if self._rollbacks is None:
             raise RuntimeError("record_rollback called on a BatchArraysCache that is not speculating")
-        self._records = self._records + [(num_tokens, fn, list(snapshot))]
-        while len(self._records) > 1 and sum(n for n, _, _ in self._records[1:]) >= self._window:
-            self._records = self._records[1:]
-
-    def is_trimmable(self) -> bool:
-        return self._speculating
+        self._rollbacks.push(num_tokens, (fn, list(snapshot)))
 
     def _state_after(self, records, m: int) -> List[Optional[mx.array]]:
         """The state after the first m of the tokens `records` recorded."""
         start = 0
-        for num_tokens, fn, snapshot in records:
+        for num_tokens, (fn, snapshot) in records:
             if m == start:
                 return snapshot
             if m < start + num_tokens:
@@ -711,14 +701,16 @@ class BatchArraysCache(_NotSaved, ArraysCache):
 
     def trim_rows(self, counts: Sequence[int]) -> None:
         """Rewind row b by counts[b] of the recorded tokens."""
-        recorded = sum(n for n, _, _ in self._records)
+        records = [] if self._rollbacks is None else self._rollbacks.records
+        recorded = sum(n for n, _ in records)
         if any(counts) and max(counts) > recorded:
             raise RuntimeError(f"cannot roll rows back by {list(counts)}: the last forwards recorded "
                                f"{recorded} tokens")
         keeps = [recorded - c for c in counts]
-        records, self._records = self._records, []
+        if self._rollbacks is not None:
+            self._rollbacks.records = []
         if len(set(keeps)) > 1 and len(records) == 1:
-            _, fn, _ = records[0]
+            _, (fn, _) = records[0]
             kept_all = mx.array([m == recorded for m in keeps])
             self.cache = [mx.where(kept_all.reshape(-1, *[1] * (a.ndim - 1)), a, replayed)
                           for a, replayed in zip(self.cache, fn(keeps))]

@@ -32,6 +32,8 @@ class RollbackLog:
 
     A record is (num_tokens, rewind): `rewind(m)` puts the cache in the exact state it
     had after only the first m of that forward's num_tokens tokens (m = 0: before it).
+    (A batch's recurrent rows keep (replay, snapshot) instead and rewind through
+    batch_cache.BatchArraysCache.trim_rows, each row by its own count.)
     Records stack (a draft model adds one per single-token step). Once the newer records
     alone cover `window` tokens the oldest is dropped, bounding what stays alive.
     """
