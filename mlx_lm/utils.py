@@ -2,6 +2,7 @@
 
 import glob
 import importlib
+import inspect
 import json
 import math
 import os
@@ -33,8 +34,8 @@ MODEL_REMAPPING = {
     "joyai_llm_flash": "deepseek_v3",
 }
 
-# What a hub download fetches: configs, weights, code-free tokenizer files.
-HUB_ALLOW_PATTERNS = [
+# What a hub download fetches (upstream's name): configs, weights, code-free tokenizer files.
+DEFAULT_ALLOW_PATTERNS = [
     "*.json",
     "model*.safetensors",
     "tokenizer.model",
@@ -60,7 +61,7 @@ def get_model_path(path_or_hf_repo: str, revision: Optional[str] = None, *, with
     try:
         return Path(
             snapshot_download(
-                path_or_hf_repo, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS + ["*.py"] * with_code
+                path_or_hf_repo, revision=revision, allow_patterns=DEFAULT_ALLOW_PATTERNS + ["*.py"] * with_code
             )
         )
     except HFValidationError:
@@ -74,6 +75,20 @@ def get_model_path(path_or_hf_repo: str, revision: Optional[str] = None, *, with
         ) from None
     except Exception as e:  # repo missing, gated, network errors: name the repo
         raise FileNotFoundError(f"Could not fetch model {path_or_hf_repo!r} from the Hugging Face hub: {e}") from e
+
+
+def hf_repo_to_path(hf_repo: str) -> Path:
+    """The local snapshot of hub repo `hf_repo` (what get_model_path downloaded), never
+    fetching: huggingface_hub's LocalEntryNotFoundError if it is not in the cache."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(hf_repo, local_files_only=True, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+
+
+def does_model_support_input_embeddings(model: nn.Module) -> bool:
+    """Whether the model's forward takes `input_embeddings` (rows fed instead of the
+    tokens' embeddings; generate_step's `input_embeddings`)."""
+    return "input_embeddings" in inspect.signature(model.__call__).parameters
 
 
 # transformers 5 writes a non-finite float as {"__float__": "Infinity"} so that

@@ -303,3 +303,33 @@ def test_cast_floats_keeps_router_biases_in_float32():
     assert gate.weight.dtype == mx.bfloat16
     assert gate.e_score_correction_bias.dtype == mx.float32 and gate.expert_bias.dtype == mx.float32
     assert gate.e_score_correction_bias[1].item() == mx.array(1e-4).item()
+
+
+def test_hf_repo_to_path_finds_the_cached_snapshot_and_never_fetches(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from mlx_lm.utils import hf_repo_to_path
+
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert hf_repo_to_path("org/tiny") == snapshot
+    with pytest.raises(LocalEntryNotFoundError):
+        hf_repo_to_path("org/absent")
+
+
+def test_does_model_support_input_embeddings():
+    from mlx_lm.utils import does_model_support_input_embeddings, get_model_classes
+
+    model_class, args_class = get_model_classes(TINY_CONFIGS["llama"])
+    assert does_model_support_input_embeddings(model_class(args_class.from_dict(TINY_CONFIGS["llama"])))
+
+    class NoRows(nn.Module):
+        def __call__(self, inputs, cache=None):
+            return inputs
+
+    assert not does_model_support_input_embeddings(NoRows())
