@@ -19,8 +19,9 @@ What is checked (DESIGN.md §2 and the "every cache kind" issue):
   bit-identical caches and next logits (tail independence), and equal a feed of just
   the m tokens (replay equals feed), for every m;
 - greedy speculative output equals plain output as target (dense, same-family smaller,
-  self and noisy-self drafts; k in 1, 3, 6) and as draft (for a dense target), and the
-  caches afterwards hold exactly prompt + output; prompt lookup likewise;
+  self and noisy-self drafts, each at the draft lengths of TARGET_SWEEP) and as draft
+  (for a dense target), and the caches after finishing and after closing inside a round
+  hold exactly prompt + output; prompt lookup likewise;
 - continuous batching: rows with joins, leaves and speculation equal their solo runs;
 - `mlx_lm.convert -q` round trip: loads, equals in-memory quantization, speculates;
 - prompt-cache files: a saved and reloaded prefilled cache continues like the original.
@@ -50,8 +51,31 @@ FIXTURE_VOCAB = 256
 # Longer than the windows and chunks of the tiny configs (keep those at 8 or less).
 PROMPT = mx.array([(i * 37 + 11) % FIXTURE_VOCAB for i in range(20)])
 NUM_TOKENS = 30
-DRAFT_LENGTHS = (1, 3, 6)
 FOLLOW = mx.array([[5, 9, 200]])
+# The speculative runs of the target check: 5 where a sweep of the 4 draft kinds over
+# k in 1, 3, 6 took 10 (and twice as long), each there for a fault only it reaches.
+# - noisy_self at 3 and 6: rounds kept fully, partly and not at all, so the target and
+#   the family draft roll back by amounts from 1 to 6, at two lengths (a rollback
+#   that confuses rejected with drafted, or pops one record too few, shows at either),
+#   always past a sliding window's wrap (PROMPT is longer than every window);
+# - same_family at 1: the shortest verify (2 tokens), drafted by a smaller config of the
+#   family, both rolled back whole each round;
+# - dense at 3: a draft of another family (its rounds rejected whole; cheap to draft);
+# - self at 6: every round accepted (no rollback: the bonus token, the draft's catch-up).
+# A run costs about the same per round, and a draft that loses every round needs one
+# round a token; as its rounds all roll back alike (and past the wrap: PROMPT fills every
+# window), WHOLE_REJECTION_TOKENS of them show a fault as NUM_TOKENS would.
+WHOLE_REJECTION_TOKENS = 10
+TARGET_SWEEP = (  # (draft kind, k, tokens)
+    ("noisy_self", 3, NUM_TOKENS), ("noisy_self", 6, NUM_TOKENS), ("same_family", 1, WHOLE_REJECTION_TOKENS),
+    ("dense", 3, WHOLE_REJECTION_TOKENS), ("self", 6, NUM_TOKENS),
+)
+# The family as the draft of another family's target, whose rounds it loses whole: the
+# draft rolls back several single-token records each round. One length: the noisy_self
+# runs above already roll the family draft back by every amount, at two lengths.
+AS_DRAFT_LENGTH = 3
+# The quantized round trip speculates through quantized layers; a few rounds show it.
+QUANTIZED_TOKENS = 12
 
 
 @dataclass
@@ -92,6 +116,17 @@ def fresh_model(name: str):
     return load_model(FIXTURES / name)[0]
 
 
+_noisy: Dict[Any, Any] = {}
+
+
+def noisy_model(name: str, noise: float):
+    """The fixture plus `noise` (perturb, seed 1), built once per session: the draft that
+    agrees with the fixture part of the time (tests must not change its weights)."""
+    if (name, noise) not in _noisy:
+        _noisy[name, noise] = perturb(fresh_model(name), noise, seed=1)
+    return _noisy[name, noise]
+
+
 def random_model(config: Dict[str, Any], seed: int = 7, scale: float = 0.3):
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -124,9 +159,21 @@ def plain(model, prompt=PROMPT, num_tokens=NUM_TOKENS, prompt_cache=None) -> Lis
     return [t for t, _ in generate_step(prompt, model, max_tokens=num_tokens, prompt_cache=prompt_cache)]
 
 
-def speculate(target, draft, k, prompt_cache=None, stats=None, **kwargs):
+_plain_outputs: Dict[Any, List[int]] = {}
+
+
+def fixture_plain(name: str, prompt=PROMPT, num_tokens=NUM_TOKENS) -> List[int]:
+    """plain() of fixture_model(name), decoded once per session: every family's draft
+    check compares against the same llama_tf4 output."""
+    key = (name, tuple(prompt.tolist()), num_tokens)
+    if key not in _plain_outputs:
+        _plain_outputs[key] = plain(fixture_model(name), prompt, num_tokens)
+    return _plain_outputs[key]
+
+
+def speculate(target, draft, k, prompt_cache=None, stats=None, num_tokens=NUM_TOKENS, **kwargs):
     return list(speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k, adaptive_draft_length=False,
-                                          max_tokens=NUM_TOKENS, prompt_cache=prompt_cache, stats=stats, **kwargs))
+                                          max_tokens=num_tokens, prompt_cache=prompt_cache, stats=stats, **kwargs))
 
 
 def accepted_per_round(out) -> List[int]:
@@ -146,13 +193,11 @@ def flat_state(cache) -> List[mx.array]:
 
 
 def fresh_feed(model, tokens: Sequence[int]):
-    """A fresh cache fed `tokens` as a draft feeds them: all but the prompt's last in one
-    forward, then one by one."""
+    """A fresh cache fed `tokens` in one forward. Not one by one as a draft feeds them:
+    that costs a forward a token, and on every family's fixture the next logits of the
+    two differ by at most 1.1e-5 (kimi_linear), well inside assert_holds' 1e-4."""
     cache = make_prompt_cache(model)
-    head = min(PROMPT.size - 1, len(tokens))
-    model(mx.array([tokens[:head]]), cache=cache)
-    for token in tokens[head:]:
-        model(mx.array([[token]]), cache=cache)
+    model(mx.array([tokens]), cache=cache)
     return cache
 
 
@@ -166,6 +211,25 @@ def assert_holds(model, cache, tokens, exact: bool, where: str = ""):
     got, want = model(FOLLOW, cache=cache), model(FOLLOW, cache=fresh)
     diff = mx.abs(got - want).max().item()
     assert mx.array_equal(got, want) if exact else mx.allclose(got, want, atol=1e-4, rtol=1e-4), f"{where}: {diff}"
+
+
+def speculate_with_cache(target, draft, k, stats=None, stop_after=NUM_TOKENS):
+    """speculate() through one prompt cache for target + draft, closed after
+    `stop_after` yields: (what it yielded, the cache)."""
+    cache = make_prompt_cache(target) + make_prompt_cache(draft)
+    generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=k, adaptive_draft_length=False,
+                                          max_tokens=NUM_TOKENS, prompt_cache=cache, stats=stats)
+    out = [step for _, step in zip(range(stop_after), generator)]  # range first: no step past stop_after
+    generator.close()
+    return out, cache
+
+
+def assert_caches_hold(target, draft, cache, out, where: str):
+    """The target's and the draft's parts of `cache` hold exactly PROMPT + the tokens of
+    `out` (assert_holds, to float tolerance)."""
+    tokens, split = PROMPT.tolist() + [t for t, _, _ in out], len(target.layers)
+    assert_holds(target, cache[:split], tokens, exact=False, where=f"target, {where}")
+    assert_holds(draft, cache[split:], tokens, exact=False, where=f"draft, {where}")
 
 
 def family_specs() -> Dict[str, Family]:
@@ -235,14 +299,14 @@ class FamilyChecks:
             assert len(a) == len(b) and all(mx.array_equal(x, y) for x, y in zip(a, b)), f"m={m}"
             logits = [model(next_token, cache=c) for c in caches]
             assert mx.array_equal(logits[0], logits[1]), f"m={m}"
-            fed, replayed = prefilled(), prefilled()
+            # Replay equals feed, against the first rolled-back cache (which has had
+            # next_token too): a third chunk would roll back the same way.
+            fed = prefilled()
             if m:
                 model(mx.array([prefix]), cache=fed)
-            model(chunk(prefix, 3), cache=replayed)
-            trim_prompt_cache(replayed, T - m)
-            assert [c.size() for c in replayed] == [c.size() for c in fed], f"m={m}"
-            want, got = model(next_token, cache=fed), model(next_token, cache=replayed)
-            assert mx.allclose(got, want, atol=1e-4, rtol=1e-4), f"m={m}"
+            want = model(next_token, cache=fed)
+            assert [c.size() for c in caches[0]] == [c.size() for c in fed], f"m={m}"
+            assert mx.allclose(logits[0], want, atol=1e-4, rtol=1e-4), f"m={m}"
 
     # --- speculation ----------------------------------------------------------------
 
@@ -252,53 +316,46 @@ class FamilyChecks:
             "dense": fixture_model("qwen3_tf5"),
             "same_family": random_model(self.family.small),
             "self": fixture_model(name),
-            "noisy_self": perturb(fresh_model(name), self.family.noise, seed=1),
+            "noisy_self": noisy_model(name, self.family.noise),
         }
 
     def test_greedy_speculation_as_target_equals_plain(self):
+        """TARGET_SWEEP says why these runs; the noisy k=3 one also checks the caches
+        after finishing (test_caches_after_... checks them after a close)."""
         target = fixture_model(self.family.fixtures[-1])
-        want = plain(target)
-        for kind, draft in self.drafts().items():
-            partly = 0
-            # The target drafting for itself never rolls back: one length shows it.
-            for k in DRAFT_LENGTHS if kind != "self" else DRAFT_LENGTHS[-1:]:
-                stats = SpeculationStats()
-                out = speculate(target, draft, k, stats=stats)
-                assert [t for t, _, _ in out] == want, f"{kind} draft, k={k}"
-                assert sum(from_draft for _, _, from_draft in out) == stats.num_accepted
+        want, drafts, partly = plain(target), self.drafts(), 0
+        for kind, k, num_tokens in TARGET_SWEEP:
+            stats, draft = SpeculationStats(), drafts[kind]
+            out, cache = speculate_with_cache(target, draft, k, stats=stats, stop_after=num_tokens)
+            assert [t for t, _, _ in out] == want[:num_tokens], f"{kind} draft, k={k}"
+            assert sum(from_draft for _, _, from_draft in out) == stats.num_accepted
+            if kind == "self":
+                assert stats.num_accepted == stats.num_drafted, k
+            elif kind == "noisy_self":
+                assert 0 < stats.num_accepted < stats.num_drafted, k
                 partly += sum(0 < n < k for n in accepted_per_round(out))
-                if kind == "self":
-                    assert stats.num_accepted == stats.num_drafted, k
-                elif kind == "noisy_self":
-                    assert 0 < stats.num_accepted < stats.num_drafted, k
-            if kind == "noisy_self":
-                assert partly > 0, "no round kept part of its drafts"
+                if k == 3:
+                    assert_caches_hold(target, draft, cache, out, "noisy_self draft, finished")
+        assert partly > 0, "no round kept part of its drafts"
 
     def test_as_draft_for_a_dense_target_keeps_its_output(self):
+        """At AS_DRAFT_LENGTH (which says why one); the caches after finishing too."""
         target, draft = fixture_model("llama_tf4"), fixture_model(self.family.fixtures[-1])
-        want = plain(target)
-        for k in DRAFT_LENGTHS:
-            stats = SpeculationStats()
-            assert [t for t, _, _ in speculate(target, draft, k, stats=stats)] == want, k
-            assert stats.num_drafted > stats.num_accepted  # rolled back
+        stats = SpeculationStats()
+        out, cache = speculate_with_cache(target, draft, AS_DRAFT_LENGTH, stats=stats)
+        assert [t for t, _, _ in out] == fixture_plain("llama_tf4")
+        assert stats.num_drafted > stats.num_accepted  # rolled back
+        assert_caches_hold(target, draft, cache, out, "as draft, finished")
 
     def test_caches_after_speculation_equal_a_fresh_feed(self):
-        """After finishing, and after closing at a yield inside a round, the family's
-        caches hold exactly prompt + every yielded token, as target and as draft."""
+        """After closing at a yield inside a round, the family's caches hold exactly
+        prompt + every yielded token, as target and as draft (after finishing: the two
+        checks above, on runs they make anyway)."""
         family_model = fixture_model(self.family.fixtures[-1])
-        noisy = perturb(fresh_model(self.family.fixtures[-1]), self.family.noise, seed=1)
+        noisy = noisy_model(self.family.fixtures[-1], self.family.noise)
         for target, draft in ((family_model, noisy), (fixture_model("llama_tf4"), family_model)):
-            for stop_after in (NUM_TOKENS, 13):
-                cache = make_prompt_cache(target) + make_prompt_cache(draft)
-                generator = speculative_generate_step(PROMPT, target, draft, num_draft_tokens=3,
-                                                      adaptive_draft_length=False, max_tokens=NUM_TOKENS,
-                                                      prompt_cache=cache)
-                tokens = PROMPT.tolist() + [t for t, _, _ in (next(generator) for _ in range(stop_after))]
-                generator.close()
-                split = len(target.layers)
-                where = f"stop after {stop_after}"
-                assert_holds(target, cache[:split], tokens, exact=False, where=f"target, {where}")
-                assert_holds(draft, cache[split:], tokens, exact=False, where=f"draft, {where}")
+            out, cache = speculate_with_cache(target, draft, 3, stop_after=13)
+            assert_caches_hold(target, draft, cache, out, "closed after 13")
 
     def test_prompt_lookup_equals_plain(self):
         target = fixture_model(self.family.fixtures[-1])
@@ -317,7 +374,7 @@ class FamilyChecks:
         lengths, budgets = [3, 13, 1, 9], [9, 4, 7, 11]
         prompts = [[(7 * i + 3 * n + 1) % FIXTURE_VOCAB for i in range(n)] for n in lengths]
         want = [plain(model, prompt=mx.array(p), num_tokens=b) for p, b in zip(prompts, budgets)]
-        for draft in (None, perturb(fresh_model(self.family.fixtures[-1]), self.family.noise, seed=1)):
+        for draft in (None, noisy_model(self.family.fixtures[-1], self.family.noise)):
             generator = BatchGenerator(model, completion_batch_size=2, prefill_step_size=4, draft_model=draft,
                                        num_draft_tokens=3)
             uids = generator.insert(prompts[:2], max_tokens=budgets[:2])
@@ -346,9 +403,9 @@ class FamilyChecks:
         quantize_model(in_memory, config, family.quantize_group_size, family.quantize_bits)
         tokens = PROMPT[None]
         assert mx.array_equal(quantized(tokens), in_memory(tokens))
-        want = plain(quantized)
+        want = plain(quantized, num_tokens=QUANTIZED_TOKENS)
         draft = perturb(load_model(source)[0], family.noise, seed=1)
-        assert [t for t, _, _ in speculate(quantized, draft, 3)] == want
+        assert [t for t, _, _ in speculate(quantized, draft, 3, num_tokens=QUANTIZED_TOKENS)] == want
 
     def test_prompt_cache_file_continues_like_the_cache(self, tmp_path):
         model = fixture_model(self.family.fixtures[-1])
