@@ -1,5 +1,6 @@
 """generate.py: the token loop, streaming, and the mlx_lm.generate CLI."""
 
+import io
 import subprocess
 import sys
 
@@ -151,47 +152,68 @@ def test_generate_returns_text_and_prints_stats(tiny, capsys):
     assert text == generate(model, tokenizer, "def add(a, b):", max_tokens=5)
 
 
-def run_cli(*args, stdin=None):
-    return subprocess.run(
-        [sys.executable, "-m", *args], capture_output=True, text=True, input=stdin, timeout=120
-    )
+def run_main(argv, capsys, monkeypatch):
+    """`mlx_lm <argv>` in this process (cli.main, which the console scripts and -m run),
+    finished as the interpreter finishes a script: (exit status, stdout, stderr). An
+    exception other than SystemExit escapes: on a command line it would be a traceback.
+    A subprocess costs seconds of imports: only test_cli_generates_and_reports_speed
+    starts one (test_imports runs every console script)."""
+    from mlx_lm import cli
+
+    monkeypatch.setattr(sys, "argv", ["mlx_lm", *argv])  # cli.main sets it for the command
+    capsys.readouterr()
+    try:
+        cli.main(list(argv))
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    if isinstance(status, str):  # sys.exit("message"): printed to stderr, status 1
+        return 1, out, err + status + "\n"
+    return status or 0, out, err
 
 
 def test_cli_generates_and_reports_speed(tiny_model_dir):
-    result = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--prompt", "hi",
-                     "--max-tokens", "5", "--system-prompt", "be brief")
+    result = subprocess.run([sys.executable, "-m", "mlx_lm.generate", "--model", str(tiny_model_dir), "--prompt", "hi",
+                             "--max-tokens", "5", "--system-prompt", "be brief"], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Generation: " in result.stdout and "tokens-per-sec" in result.stdout
     assert "Compute dtype: float32 (auto: " in result.stdout
     assert "PyTorch was not found" not in result.stderr and "RuntimeWarning" not in result.stderr
-    quiet = run_cli("mlx_lm", "generate", "--model", str(tiny_model_dir), "--prompt", "-",
-                    "--max-tokens", "4", "--verbose", "false", "--ignore-chat-template",
-                    "--temp", "0.8", "--seed", "3", stdin="import os\n")
-    assert quiet.returncode == 0, quiet.stderr
-    assert "tokens-per-sec" not in quiet.stdout and quiet.stdout.strip()
 
 
-def test_cli_errors_are_clear(tiny_model_dir, tmp_path):
-    missing = run_cli("mlx_lm.generate", "--model", str(tmp_path / "nope"), "--max-tokens", "2")
-    assert missing.returncode != 0 and "nope" in missing.stderr and "Traceback" not in missing.stderr
-    offline = run_cli("mlx_lm.generate", "--model", "some-org/some-model")
-    assert offline.returncode != 0 and "some-org/some-model" in offline.stderr
-    bad_json = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--chat-template-config", "[1]")
-    assert bad_json.returncode == 2 and "JSON object" in bad_json.stderr
-    bad_flag = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--verbose", "maybe")
-    assert bad_flag.returncode == 2 and "true or false" in bad_flag.stderr
-    unknown = run_cli("mlx_lm", "fly")
-    assert unknown.returncode != 0 and "unknown command" in unknown.stderr
+def test_cli_reads_stdin_and_stays_quiet(tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("import os\n"))
+    status, out, err = run_main(["generate", "--model", str(tiny_model_dir), "--prompt", "-", "--max-tokens", "4",
+                                 "--verbose", "false", "--ignore-chat-template", "--temp", "0.8", "--seed", "3"],
+                                capsys, monkeypatch)
+    assert status == 0, err
+    assert "tokens-per-sec" not in out and out.strip()
 
 
-def test_cli_speculative_prints_acceptance(tiny_model_dir):
-    result = run_cli("mlx_lm.generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir),
-                     "--num-draft-tokens", "4", "--prompt", "def f(x):", "--max-tokens", "12",
-                     "--dtype", "float16")
-    assert result.returncode == 0, result.stderr
-    assert "Compute dtype: float16 (float16, as asked)" in result.stdout
-    assert "Speculation:" in result.stdout and "accepted (100.0%)" in result.stdout
-    assert "tokens per target forward" in result.stdout
+def test_cli_errors_are_clear(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    model = ["generate", "--model", str(tiny_model_dir)]
+    status, _, err = run_main(["generate", "--model", str(tmp_path / "nope"), "--max-tokens", "2"], capsys, monkeypatch)
+    assert status == 1 and "nope" in err
+    status, _, err = run_main(["generate", "--model", "some-org/some-model"], capsys, monkeypatch)
+    assert status == 1 and "some-org/some-model" in err
+    status, _, err = run_main(model + ["--chat-template-config", "[1]"], capsys, monkeypatch)
+    assert status == 2 and "JSON object" in err
+    status, _, err = run_main(model + ["--verbose", "maybe"], capsys, monkeypatch)
+    assert status == 2 and "true or false" in err
+    status, _, err = run_main(["fly"], capsys, monkeypatch)
+    assert status == 1 and "unknown command 'fly'" in err
+
+
+def test_cli_speculative_prints_acceptance(tiny_model_dir, capsys, monkeypatch):
+    status, out, err = run_main(["generate", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir),
+                                 "--num-draft-tokens", "4", "--prompt", "def f(x):", "--max-tokens", "12",
+                                 "--dtype", "float16"], capsys, monkeypatch)
+    assert status == 0, err
+    assert "Compute dtype: float16 (float16, as asked)" in out
+    assert "Speculation:" in out and "accepted (100.0%)" in out
+    assert "tokens per target forward" in out
 
 
 def test_input_embeddings_stand_in_for_the_prompt(tiny):
