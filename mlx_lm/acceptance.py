@@ -115,6 +115,13 @@ def matched_prefix(drafts: mx.array, targets: mx.array) -> Tuple[mx.array, mx.ar
     return num_accepted, token.astype(mx.uint32)
 
 
+def acceptance_rule(sampler: Callable) -> str:
+    """The rule a run with this sampler accepts drafts by (SpeculationStats.acceptance_rule):
+    a CategoricalSampler gives its law, so speculative sampling (a batch row's own draws
+    against point-mass drafts are that too); any other sampler, token matching."""
+    return "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
+
+
 def accept(
     logprobs: mx.array,
     drafts: mx.array,

@@ -19,7 +19,6 @@ from .batch_rows import Row, RowTable, draws, run_target
 from .draft_length import BatchDraftLengthPolicy
 from .feeding import processed_logprobs
 from .models.batch_cache import bookkeeping, make_room, trim_rows
-from .sample_utils import CategoricalSampler
 
 
 class QueuedRound(NamedTuple):
@@ -42,12 +41,6 @@ class Decision:
     num_accepted: int
     token: mx.array
     logprobs: mx.array
-
-
-def acceptance_rule(sampler: Callable) -> str:
-    """What a speculating row's accepted drafts follow (SpeculationStats.acceptance_rule):
-    a sampling row's own draws against point-mass drafts are speculative sampling."""
-    return "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
 
 
 def decide_row(row: Row, drafts: List[int], logits: mx.array, fed: mx.array,

@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from .draft_length import AcceptanceEstimate
 from .drafters import PromptLookup
+from .feeding import processed_logprobs
 from .models.batch_cache import extend_caches, extract_caches, filter_caches, merge_caches
 from .sample_utils import make_sampler
 from .speculation_stats import SpeculationStats
@@ -58,6 +59,11 @@ class Row:
     speculation: Optional[SpeculationStats] = None  # its counts, when the batch speculates
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its drafts (policy.new_row)
 
+    @property
+    def held_tokens(self) -> List[int]:
+        """The tokens its cache holds now: all_tokens, the prompt fed, its output fed."""
+        return self.tokens[: self.num_given + self.num_in_cache]
+
 
 def draws(row: Row, logprobs: mx.array) -> mx.array:
     """(n, V) logprobs of the row's next n generated tokens -> (n,) its draws: a
@@ -71,9 +77,7 @@ def draws(row: Row, logprobs: mx.array) -> mx.array:
 
 def sample_row(row: Row, logits: mx.array) -> Tuple[mx.array, mx.array]:
     """(1, V) logits of one row -> (1,) token and (1, V) logprobs, its processors applied."""
-    for processor in row.processors:
-        logits = processor(row.history, logits)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = processed_logprobs(logits, row.history, mx.array([], mx.uint32), row.processors)
     token = draws(row, logprobs)
     row.num_sampled += 1
     return token, logprobs

@@ -49,7 +49,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_drafters import MAX_LAG, BatchDraftModel, BatchMTPHead
-from .batch_round import Decision, QueuedRound, Rounds, acceptance_rule
+from .acceptance import acceptance_rule
+from .batch_round import Decision, QueuedRound, Rounds
 from .batch_rows import GREEDY, Processor, Row, RowTable, Sampler, run_target, sample_row, sample_rows
 from .draft_length import DRAFT_LENGTHS, BatchDraftLengthPolicy, LearnedBatchDraftLength
 from .drafters import PromptLookup
@@ -573,14 +574,14 @@ class BatchGenerator:
         wanted, found = set(uids), {}
         for r in [*self._queued, *self._prefilling, *self._ready]:
             if r.uid in wanted:
-                found[r.uid] = (r.cache, r.tokens[: r.num_given + r.num_in_cache])
+                found[r.uid] = (r.cache, r.held_tokens)
         rows = [i for i, r in enumerate(self._table.rows) if r.uid in wanted]
         if rows:
             self._rounds.cancel()
             self._table.catch_up()
         for i in rows:
             r = self._table.rows[i]
-            found[r.uid] = (self._table.extract(i), r.tokens[: r.num_given + r.num_in_cache])
+            found[r.uid] = (self._table.extract(i), r.held_tokens)
         return found
 
     @property
@@ -592,8 +593,7 @@ class BatchGenerator:
     def stats(self) -> StatsWindow:
         """What the generator did since it was made (a generate_utils.BatchStats); as a
         context manager, a BatchStats of what it does inside the block (upstream's)."""
-        totals = BatchCountersSnapshot.between(self._created, BatchCountersSnapshot(**vars(self._stats)))
-        return StatsWindow(totals, self._stats)
+        return StatsWindow(self._created, self._stats)
 
     def close(self) -> None:
         self._queued.clear()

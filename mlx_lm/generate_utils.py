@@ -118,13 +118,15 @@ class BatchStats(BatchCounters):
 
 
 class StatsWindow(BatchStats):
-    """What `BatchGenerator.stats()` returns: the generator's totals since it was made,
-    and, used as a context manager (upstream's `with generator.stats() as stats:`), a
-    fresh BatchStats that receives what is counted inside the block (windows nest)."""
+    """What `BatchGenerator.stats()` returns: what `counters` counted since the reading
+    `since` (the generator's totals since it was made), and, used as a context manager
+    (upstream's `with generator.stats() as stats:`), a fresh BatchStats that receives
+    what is counted inside the block (windows nest)."""
 
-    def __init__(self, totals: BatchStats, counters: BatchCounters):
-        super().__init__(**{f.name: getattr(totals, f.name) for f in fields(BatchStats)})
+    def __init__(self, since: BatchCountersSnapshot, counters: BatchCounters):
         self._counters, self._opened = counters, []
+        totals = BatchCountersSnapshot.between(since, self._reading())
+        super().__init__(**{f.name: getattr(totals, f.name) for f in fields(BatchStats)})
 
     def _reading(self) -> BatchCountersSnapshot:
         return BatchCountersSnapshot(**{name: getattr(self._counters, name) for name in COUNTED})

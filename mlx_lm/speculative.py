@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from .draft_length import DRAFT_LENGTHS, DraftLengthPolicy, LearnedDraftLength
 from .speculation_stats import SpeculationStats
-from .acceptance import accept, point_masses
+from .acceptance import accept, acceptance_rule, point_masses
 from .drafters import DraftModel, Drafter, MTPHead, PromptLookup, check_mtp_head
 from .feeding import (
     check_can_speculate,
@@ -359,7 +359,7 @@ def speculative_generate_step(
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
     stats.draft_lengths += [0] * (num_draft_tokens + 1 - len(stats.draft_lengths))  # rounds per k = 0..cap
-    stats.acceptance_rule = "speculative sampling" if isinstance(sampler, CategoricalSampler) else "token matching"
+    stats.acceptance_rule = acceptance_rule(sampler)
     # Adaptive: start from what earlier calls of this pair learned; pinned: from nothing,
     # so a seeded sampled run gives the same tokens whatever ran before it.
     learned = learned_draft_length(model, draft_model, type(drafter).__name__, sampler,
