@@ -233,7 +233,7 @@ def test_failed_write_leaves_no_output(tmp_path, tiny_llama_dir, monkeypatch):
     def fail(config, path):
         raise OSError("disk full")
 
-    monkeypatch.setattr(importlib.import_module("mlx_lm.utils"), "save_config", fail)
+    monkeypatch.setattr(importlib.import_module("mlx_lm.saving"), "save_config", fail)
     with pytest.raises(OSError, match="disk full"):
         convert(str(tiny_llama_dir), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
