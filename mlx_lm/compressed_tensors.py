@@ -109,7 +109,8 @@ def _zero_points(path: str, tensors: Dict[str, mx.array], bits: int, rows: int, 
                      f"({-(-rows // (32 // bits))}, {groups}) int32 nor ({rows}, {groups}) int8 zero points")
 
 
-def _mlx_group_size(path: str, group: int) -> int:
+def mlx_group_size(path: str, group: int) -> int:
+    """The largest MLX affine group size dividing a checkpoint's `group` (its scale repeated)."""
     for size in MLX_GROUP_SIZES:
         if group % size == 0:
             return size
@@ -143,6 +144,14 @@ def _check_group_order(path: str, tensors: Dict[str, mx.array], width: int, grou
                          "MLX groups are contiguous: quantize with actorder \"weight\" or none")
 
 
+def affine_scales_and_biases(scale: mx.array, zero: mx.array, repeat: int) -> Tuple[mx.array, mx.array]:
+    """(rows, G) scales s and unsigned zero points z of w = (u - z) * s -> MLX's (rows,
+    G * repeat) scales and biases (w = u * scale + bias), each group's `repeat` times."""
+    # zero * s in float32 first, then the scales' dtype: one rounding.
+    biases = -(zero.astype(mx.float32) * scale.astype(mx.float32))
+    return mx.repeat(scale, repeat, axis=1), mx.repeat(biases, repeat, axis=1).astype(scale.dtype)
+
+
 def repack_layer(path: str, tensors: Dict[str, mx.array]) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
     """One layer's compressed tensors (keyed by suffix) -> ({"weight", "scales",
     "biases"} in MLX's affine layout, {"group_size", "bits", "mode"})."""
@@ -154,24 +163,23 @@ def repack_layer(path: str, tensors: Dict[str, mx.array]) -> Tuple[Dict[str, mx.
         raise ValueError(f"{path}.weight_scale {tuple(tensors['weight_scale'].shape)} fits no grouping of a "
                          f"({rows}, {width}) weight")
     _check_group_order(path, tensors, width, width // groups)
-    group_size = _mlx_group_size(path, width // groups)
+    group_size = mlx_group_size(path, width // groups)
     zero = _zero_points(path, tensors, bits, rows, groups)
-    repeat = width // groups // group_size
-    scales = mx.repeat(scale, repeat, axis=1)
-    # w = (u - zero) * s: zero * s in float32 first, then the scales' dtype.
-    biases = mx.repeat(-(zero.astype(mx.float32) * scale.astype(mx.float32)), repeat, axis=1).astype(scale.dtype)
+    scales, biases = affine_scales_and_biases(scale, zero, width // groups // group_size)
     packed = tensors["weight_packed"].view(mx.uint32)
     return {"weight": packed, "scales": scales, "biases": biases}, {"group_size": group_size, "bits": bits,
                                                                      "mode": "affine"}
 
 
-def _split_layers(weights: Dict[str, mx.array]) -> Tuple[Dict[str, Dict[str, mx.array]], Dict[str, mx.array]]:
-    """({layer path: {suffix: tensor}} of the compressed layers, the other weights)."""
+def split_layers(weights: Dict[str, mx.array], suffixes: Tuple[str, ...] = SUFFIXES
+                 ) -> Tuple[Dict[str, Dict[str, mx.array]], Dict[str, mx.array]]:
+    """({layer path: {suffix: tensor}} of the tensors named `<path>.<one of suffixes>`,
+    the other weights)."""
     layers: Dict[str, Dict[str, mx.array]] = {}
     rest = {}
     for name, value in weights.items():
         path, _, suffix = name.rpartition(".")
-        if suffix in SUFFIXES:
+        if suffix in suffixes:
             layers.setdefault(path, {})[suffix] = value
         else:
             rest[name] = value
@@ -185,7 +193,7 @@ def to_mlx(weights: Dict[str, mx.array], config: Dict[str, Any]) -> Tuple[Dict[s
     the most common as the default. Layers the checkpoint keeps in float stay so."""
     block = quantization_config_of(config)
     check_scheme(block)
-    layers, repacked = _split_layers(weights)
+    layers, repacked = split_layers(weights)
     if not layers:
         raise ValueError('config.json "quantization_config" says compressed-tensors, but no weight is '
                          "pack-quantized (no *.weight_packed): the checkpoint does not match its config")
@@ -195,6 +203,14 @@ def to_mlx(weights: Dict[str, mx.array], config: Dict[str, Any]) -> Tuple[Dict[s
             raise ValueError(f"{path} has both a float weight and compressed tensors; the checkpoint is inconsistent")
         tensors_mlx, params[path] = repack_layer(path, tensors)
         repacked.update({f"{path}.{name}": value for name, value in tensors_mlx.items()})
+    return repacked, with_mlx_quantization(config, params)
+
+
+def with_mlx_quantization(config: Dict[str, Any], params: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """`config` without its Hugging Face "quantization_config" (top level or in
+    text_config), with the MLX block for the layers' `params` ({path: {"group_size",
+    "bits", "mode"}}): the most common as the default, the others per layer; written as
+    "quantization" and, as upstream does, "quantization_config"."""
     counts = Counter(tuple(sorted(p.items())) for p in params.values())
     default = dict(counts.most_common(1)[0][0])
     quantization: Dict[str, Any] = dict(default)
@@ -204,4 +220,4 @@ def to_mlx(weights: Dict[str, mx.array], config: Dict[str, Any]) -> Tuple[Dict[s
         config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
     config["quantization"] = quantization
     config["quantization_config"] = dict(quantization)
-    return repacked, config
+    return config

@@ -7,7 +7,7 @@ from typing import Any, Dict
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_lm.utils import get_model_classes
+from mlx_lm.utils import get_model_classes, load_model, save_config, save_model
 
 from tokenizer_fixture import write_tokenizer
 
@@ -83,3 +83,15 @@ def perturb(model, noise: float, seed: int = 0):
     model.update(tree_unflatten(list(with_noise(dict(tree_flatten(model.parameters())), noise, seed).items())))
     mx.eval(model.parameters())
     return model
+
+
+def assert_saves_and_reloads(model, config: Dict[str, Any], directory: Path, tokens: mx.array) -> None:
+    """Saved in the MLX layout (save_model, save_config) and loaded back, `model` has
+    the same parameters, bit for bit, and the same logits on `tokens`."""
+    save_model(directory, model)
+    save_config(config, Path(directory) / "config.json")
+    reloaded, _ = load_model(Path(directory))
+    assert mx.array_equal(reloaded(tokens), model(tokens))
+    saved, loaded = tree_flatten(model.parameters()), tree_flatten(reloaded.parameters())
+    assert [k for k, _ in saved] == [k for k, _ in loaded]
+    assert all(mx.array_equal(a, b) for (_, a), (_, b) in zip(saved, loaded))

@@ -11,11 +11,11 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import TINY_CONFIGS, write_checkpoint
-from mlx.utils import tree_flatten, tree_unflatten
+from checkpoints import TINY_CONFIGS, assert_saves_and_reloads, write_checkpoint
+from mlx.utils import tree_unflatten
 
 from mlx_lm import compressed_tensors
-from mlx_lm.utils import load_model, save_config, save_model
+from mlx_lm.utils import load_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOKENS = mx.array([[1, 5, 9, 200, 17, 3, 44, 8]])
@@ -158,12 +158,7 @@ def test_half_precision_scales_and_unpacked_zero_points(tmp_path):
 def test_the_loaded_model_saves_as_an_mlx_checkpoint(tmp_path):
     path, _ = write_compressed(tmp_path, SCHEMES["w4 attention, w8 tensor mlp"])
     model, config = load_model(path)
-    save_model(tmp_path / "mlx", model)
-    save_config(config, tmp_path / "mlx" / "config.json")
-    reloaded, _ = load_model(tmp_path / "mlx")
-    assert mx.array_equal(reloaded(TOKENS), model(TOKENS))
-    assert all(mx.array_equal(a, b) for (_, a), (_, b) in zip(tree_flatten(reloaded.parameters()),
-                                                             tree_flatten(model.parameters())))
+    assert_saves_and_reloads(model, config, tmp_path / "mlx", TOKENS)
 
 
 @pytest.mark.parametrize("change, message", [
