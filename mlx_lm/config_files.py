@@ -57,8 +57,15 @@ def load_config(model_path: Path) -> Dict[str, Any]:
     return config
 
 
-def save_config(config: Dict[str, Any], config_path: Union[str, Path]) -> None:
-    """Write config.json with sorted keys, minus transformers' local bookkeeping;
-    non-finite floats tagged as transformers writes them (valid JSON)."""
-    config = {k: v for k, v in config.items() if k != "_name_or_path"}
+def save_config(config: Dict[str, Any], config_path: Union[str, Path], *, keep_vision_config: bool = False) -> None:
+    """Write config.json with sorted keys, minus transformers' local bookkeeping
+    ("_name_or_path") and, unless `keep_vision_config`, the "vision_config" of a vision
+    tower this package drops when loading; non-finite floats tagged as transformers
+    writes them (valid JSON). An MLX "quantization" block is also written as
+    "quantization_config", as upstream does (readers of the Hugging Face layout look
+    there). `config` itself is left as it is."""
+    dropped = {"_name_or_path"} | (set() if keep_vision_config else {"vision_config"})
+    config = {k: v for k, v in config.items() if k not in dropped}
+    if "quantization" in config:
+        config["quantization_config"] = config["quantization"]
     Path(config_path).write_text(json.dumps(encode_tagged_floats(dict(sorted(config.items()))), indent=4))

@@ -301,3 +301,62 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     if floats:
         model.update_modules(tree_unflatten(floats))
     return model
+
+
+# ---------------------------------------------------------------------------
+# Mixed-precision recipes (upstream's names): most layers at the low bit width; the
+# value projections and MLP down projections of the first and last eighth of the layers
+# and of every third layer between, and the LM head, at the high one. The choice of
+# llama.cpp's Q4_K_M (https://github.com/ggerganov/llama.cpp/blob/917786f/src/llama.cpp#L5265):
+# those layers' errors hurt most.
+QUANT_RECIPES = ["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"]
+_RECIPE_BITS = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
+_HIGH_BIT_PROJECTIONS = ("v_proj", "v_a_proj", "v_b_proj", "down_proj")
+
+
+def _layer_index_position(model: nn.Module) -> int:
+    """Where, in a dotted module path, the decoder layer's index sits (2 in
+    model.layers.3.mlp.down_proj), read from the model's first down projection."""
+    down_projections = [path for path, _ in model.named_modules() if "down_proj" in path]
+    if not down_projections:
+        raise ValueError(
+            f"{type(model).__name__} has no down_proj layers, which the mixed-precision recipes key on; "
+            "quantize it with one bit width instead"
+        )
+    parts = down_projections[0].split(".")
+    return next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+
+
+def is_sensitive_layer(index: int, num_layers: int) -> bool:
+    """Whether decoder layer `index` of `num_layers` gets the high bit width: the first
+    and last eighth, and every third layer between."""
+    eighth = num_layers // 8
+    return index < eighth or index >= 7 * num_layers // 8 or (index - eighth) % 3 == 2
+
+
+def mixed_quant_predicate_builder(recipe: str, model: nn.Module, group_size: Optional[int] = 64) -> QuantPredicate:
+    """The quant predicate of mixed-precision `recipe` (one of QUANT_RECIPES, affine at
+    `group_size`, None meaning 64) for `model`. A layer whose path holds no layer index
+    counts as layer 0, as upstream. Where the model has its own `quant_predicate`, its
+    False (keep float) and explicit parameters win (an MoE router stays at 8 bits, not the
+    recipe's 2); upstream's recipes override the model's choice."""
+    if recipe not in _RECIPE_BITS:
+        raise ValueError(f"Unknown quantization recipe {recipe!r}; choose from {', '.join(QUANT_RECIPES)}")
+    low_bits, high_bits = _RECIPE_BITS[recipe]
+    low = quant_params(group_size, low_bits, "affine", where=f"recipe {recipe}")
+    high = dict(low, bits=high_bits)
+    position, num_layers = _layer_index_position(model), len(model.layers)
+    own_predicate = model.quant_predicate if isinstance(model, HasQuantPredicate) else None
+
+    def mixed_quant_predicate(path: str, module: nn.Module) -> Union[bool, Dict[str, Any]]:
+        if own_predicate is not None and (choice := own_predicate(path, module)) is not True:
+            return choice
+        parts = path.split(".")
+        index = int(parts[position]) if position < len(parts) and parts[position].isdigit() else 0
+        if "lm_head" in path:
+            return dict(high)
+        if any(name in path for name in _HIGH_BIT_PROJECTIONS) and is_sensitive_layer(index, num_layers):
+            return dict(high)
+        return dict(low)
+
+    return mixed_quant_predicate

@@ -52,6 +52,12 @@ MODEL_REMAPPING = {
     "joyai_llm_flash": "deepseek_v3",
 }
 
+# (model_type, an entry of config "architectures") -> our module, for a model_type that
+# names different architectures. Consulted before MODEL_REMAPPING. Empty: upstream's one
+# entry (bailing_hybrid's BailingMoeV3ForCausalLM) is a family this package lacks; code
+# that registers its own, as it may upstream, is honoured.
+MODEL_ARCHITECTURE_REMAPPING: Dict[Tuple[str, str], str] = {}
+
 
 def does_model_support_input_embeddings(model: nn.Module) -> bool:
     """Whether the model's forward takes `input_embeddings` (rows fed instead of the
@@ -61,11 +67,17 @@ def does_model_support_input_embeddings(model: nn.Module) -> bool:
 
 
 def get_model_classes(config: Dict[str, Any]):
-    """(Model, ModelArgs) of the module implementing config["model_type"]."""
+    """(Model, ModelArgs) of the module implementing the config's architecture: the
+    MODEL_ARCHITECTURE_REMAPPING entry of (model_type, one of its "architectures") when
+    there is one, else the module config["model_type"] names (MODEL_REMAPPING)."""
     model_type = config.get("model_type")
     if not model_type:
         raise ValueError("config.json has no model_type; cannot tell which architecture to build")
-    module_name = MODEL_REMAPPING.get(model_type, model_type)
+    architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    by_architecture = [MODEL_ARCHITECTURE_REMAPPING.get((model_type, a)) for a in architectures]
+    module_name = next((m for m in by_architecture if m), MODEL_REMAPPING.get(model_type, model_type))
     try:
         module = importlib.import_module(f"mlx_lm.models.{module_name}")
     except ImportError:
@@ -107,12 +119,28 @@ def check_weights(model: nn.Module, weights: Dict[str, mx.array]) -> None:
         raise ValueError("Checkpoint does not match the model: " + " | ".join(problems))
 
 
-def common_prefix_len(first: List[Any], second: List[Any]) -> int:
+def common_prefix_len(list1: List[Any], list2: List[Any]) -> int:
     """How many leading items the two sequences share."""
-    for i, (a, b) in enumerate(zip(first, second)):
+    for i, (a, b) in enumerate(zip(list1, list2)):
         if a != b:
             return i
-    return min(len(first), len(second))
+    return min(len(list1), len(list2))
+
+
+def can_run_metal() -> bool:
+    """Whether computations run on a Metal GPU (the default device is the GPU and
+    the Metal backend is present)."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def maybe_set_recommended_wired_limit() -> Optional[int]:
+    """Set MLX's wired memory limit to the device's recommended working set and return
+    the previous limit; None, changing nothing, where the device recommends none (the
+    CPU and CUDA backends, which wire no memory)."""
+    recommended = mx.device_info().get("max_recommended_working_set_size")
+    if recommended is None:
+        return None
+    return mx.set_wired_limit(recommended)
 
 
 
@@ -268,7 +296,7 @@ def load(
 
 
 def sharded_load(
-    path_or_hf_repo: str,
+    repo: str,
     pipeline_group: Optional[mx.distributed.Group] = None,
     tensor_group: Optional[mx.distributed.Group] = None,
     return_config: bool = False,
@@ -276,8 +304,9 @@ def sharded_load(
     dtype: Optional[str] = None,
     model_config: Optional[Dict[str, Any]] = None,
     tokenizer_config: Optional[Dict[str, Any]] = None,
+    trust_remote_code: bool = False,
 ) -> Union[Tuple[nn.Module, TokenizerWrapper], Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]]:
-    """Load a model tensor-parallel over `tensor_group` (default: the global group, as
+    """Load `repo` (a directory or hub repo id) tensor-parallel over `tensor_group` (default: the global group, as
     `mlx.launch` sets it up): each rank keeps and materialises only its shard
     (`model.shard`, models/sharding.py). Weights are read lazily and evaluated one
     decoder layer at a time, so a rank holds its shards plus at most one layer's
@@ -287,7 +316,9 @@ def sharded_load(
     all-sums. For speculation that means identical drafts on every rank: seed every
     rank alike and pin the draft length (`adaptive_draft_length=False`), since the
     adaptive policy reads wall-clock times; `mlx_lm.generate` does both.
-    Pipeline parallelism is not implemented: `pipeline_group` must be None."""
+    Pipeline parallelism is not implemented: `pipeline_group` must be None.
+    `trust_remote_code` as in `load` (the tokenizer's code only; upstream's default
+    tokenizer_config trusts it, this one trusts it only when asked)."""
     if pipeline_group is not None:
         raise ValueError(
             f"pipeline_group={pipeline_group!r}: pipeline parallelism is not supported; "
@@ -295,7 +326,8 @@ def sharded_load(
         )
     group = tensor_group if tensor_group is not None else mx.distributed.init()
     model, tokenizer, config = load(
-        path_or_hf_repo, tokenizer_config, model_config, lazy=True, return_config=True, dtype=dtype
+        repo, tokenizer_config, model_config, lazy=True, return_config=True,
+        trust_remote_code=trust_remote_code, dtype=dtype,
     )
     model.shard(group)
     for layer in model.layers:  # one layer's full tensors in memory at a time

@@ -290,3 +290,42 @@ def test_hybrid_convert_then_load_round_trip(tmp_path, fixture):
     gates = [p for p in config["quantization"] if isinstance(config["quantization"][p], dict)]
     assert gates and all(p.endswith(("mlp.gate", "shared_expert_gate")) for p in gates)
     assert all(config["quantization"][p]["bits"] == 8 and config["quantization"][p]["group_size"] == 64 for p in gates)
+
+
+def test_upload_repo_is_checked_first_and_a_failed_upload_keeps_the_output(tmp_path, tiny_llama_dir, monkeypatch):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    with pytest.raises(ValueError, match="Hub repo id 'no namespace' must be of the form namespace/name"):
+        convert(str(tiny_llama_dir), tmp_path / "out", upload_repo="no namespace")
+    assert list(tmp_path.iterdir()) == []
+
+    def offline(self, repo_id, exist_ok):
+        raise OfflineModeIsEnabled("offline mode is enabled")
+
+    monkeypatch.setattr(HfApi, "create_repo", offline)
+    with pytest.raises(SystemExit, match=r"Error: Could not upload .*'me/tiny-8bit'.*The model is kept in"):
+        convert_main(["--hf-path", str(tiny_llama_dir), "--mlx-path", str(tmp_path / "out"), "-q", "--q-bits", "8",
+                      "--upload-repo", "me/tiny-8bit"])
+    model, config = load_model(tmp_path / "out")
+    assert config["quantization"]["bits"] == 8 and "me/tiny-8bit" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_upstreams_positional_order_recipes_and_trust_remote_code(tmp_path, tiny_llama_dir, monkeypatch):
+    from mlx_lm import tokenizer_utils
+    from mlx_lm.convert import MODEL_CONVERSION_DTYPES, QUANT_RECIPES, configure_parser
+
+    asked = []
+    real_load = tokenizer_utils.load
+    monkeypatch.setattr(tokenizer_utils, "load", lambda path, extra=None, **kw: asked.append(extra) or real_load(path))
+    # hf_path, mlx_path, quantize, q_group_size, q_bits, q_mode, dtype, upload_repo, revision,
+    # dequantize, quant_predicate, trust_remote_code: upstream 0.32.2's order.
+    convert(str(tiny_llama_dir), tmp_path / "out", True, 32, None, "affine", "float16", None, None, False,
+            "mixed_3_6", True)
+    assert asked == [{"trust_remote_code": True}]
+    model, _ = load_model(tmp_path / "out")
+    assert quantized_layers(model)["lm_head"]["bits"] == 6 and model.model.norm.weight.dtype == mx.float16
+    assert MODEL_CONVERSION_DTYPES == ["float16", "bfloat16", "float32"] and "mixed_2_6" in QUANT_RECIPES
+    args = configure_parser().parse_args(["--model", "m", "-q", "--quant-predicate", "mixed_4_6", "--upload-repo",
+                                          "me/x", "--trust-remote-code"])
+    assert (args.quant_predicate, args.upload_repo, args.trust_remote_code) == ("mixed_4_6", "me/x", True)

@@ -333,3 +333,50 @@ def test_does_model_support_input_embeddings():
             return inputs
 
     assert not does_model_support_input_embeddings(NoRows())
+
+
+def test_architecture_remapping_wins_over_the_model_type(monkeypatch):
+    from mlx_lm import utils
+    from mlx_lm.models import llama, qwen3
+
+    monkeypatch.setitem(utils.MODEL_ARCHITECTURE_REMAPPING, ("llama", "Qwen3LikeForCausalLM"), "qwen3")
+    assert utils.get_model_classes({"model_type": "llama", "architectures": ["Qwen3LikeForCausalLM"]}) == (
+        qwen3.Model, qwen3.ModelArgs)
+    assert utils.get_model_classes({"model_type": "llama", "architectures": "Qwen3LikeForCausalLM"})[0] is qwen3.Model
+    assert utils.get_model_classes({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})[0] is llama.Model
+    assert utils.get_model_classes({"model_type": "mistral", "architectures": None})[0] is llama.Model
+
+
+def test_common_prefix_len_takes_upstreams_argument_names():
+    assert common_prefix_len(list1=[1, 2, 3], list2=[1, 2, 9]) == 2
+
+
+def test_wired_limit_is_set_only_where_the_device_recommends_one(monkeypatch):
+    from mlx_lm.utils import can_run_metal, maybe_set_recommended_wired_limit
+
+    limits = []
+    monkeypatch.setattr(mx, "set_wired_limit", lambda limit: limits.append(limit) or 7)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 1 << 30})
+    assert maybe_set_recommended_wired_limit() == 7 and limits == [1 << 30]
+    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "x86_64"})
+    assert maybe_set_recommended_wired_limit() is None and limits == [1 << 30]
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert can_run_metal() is False
+    finally:
+        mx.set_default_device(previous)
+
+
+def test_sharded_load_takes_repo_and_trust_remote_code(tiny_llama_dir, monkeypatch):
+    from mlx_lm import tokenizer_utils
+    from mlx_lm.utils import sharded_load
+
+    asked = []
+    real_load = tokenizer_utils.load
+    monkeypatch.setattr(tokenizer_utils, "load", lambda path, extra=None, **kw: asked.append(extra) or real_load(path))
+    model, _, config = sharded_load(repo=str(tiny_llama_dir), trust_remote_code=True, return_config=True)
+    assert asked == [{"trust_remote_code": True}] and config["model_type"] == "llama"
+    reference, _ = load(str(tiny_llama_dir))
+    tokens = mx.array([[5, 17, 260, 33]])
+    assert mx.allclose(model(tokens), reference(tokens), atol=1e-5)
