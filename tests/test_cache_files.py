@@ -19,6 +19,7 @@ from mlx_lm.generate import main as generate_main
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
+    ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -54,6 +55,7 @@ def arrays_cache():
 CACHES = {
     "kv": lambda: filled(KVCache(), (300, 0)),  # crosses a 256-row growth step
     "kv_empty": KVCache,
+    "concatenate": lambda: filled(ConcatenateKVCache(), (5, 0), (2, 1)),
     "rotating_wrapped": lambda: filled(RotatingKVCache(6, keep=2), (5, 0), (1, 1), (1, 2), (1, 3), (1, 4)),
     "quantized": lambda: filled(QuantizedKVCache(group_size=32, bits=4), (10, 0), (1, 1)),
     "arrays": arrays_cache,
@@ -77,7 +79,7 @@ def test_every_cache_type_round_trips(tmp_path, name):
     for (_, a), (_, b) in zip(got, want):
         assert (a is None and b is None) or mx.array_equal(a, b)
     assert loaded[0].meta_state == original[0].meta_state
-    if name in ("kv", "rotating_wrapped", "quantized"):  # and continues identically
+    if name in ("kv", "concatenate", "rotating_wrapped", "quantized"):  # and continues identically
         k, v = kv(3, 9)
         want_out, got_out = original[0].update_and_fetch(k, v), loaded[0].update_and_fetch(k, v)
         assert all(mx.array_equal(a, b) for (_, a), (_, b) in zip(tree_flatten(got_out), tree_flatten(want_out)))
@@ -136,6 +138,22 @@ def test_hand_written_file_of_upstreams_current_layout_loads(tmp_path):
         assert a.meta_state == b.meta_state
 
 
+def test_concatenate_cache_file_is_upstreams_layout(tmp_path):
+    """Upstream stores a ConcatenateKVCache as its (keys, values), nothing else: both ways."""
+    k, v = kv(5, 0)
+    mx.save_safetensors(str(tmp_path / "up.safetensors"), {"0.0": k, "0.1": v},
+                        {"1.0": "ConcatenateKVCache", "2.0": ""})
+    (loaded,) = load_prompt_cache(str(tmp_path / "up.safetensors"))
+    assert type(loaded) is ConcatenateKVCache and loaded.offset == 5 and mx.array_equal(loaded.keys, k)
+    save_prompt_cache(str(tmp_path / "ours.safetensors"), [loaded, ConcatenateKVCache()])
+    tensors, metadata = mx.load(str(tmp_path / "ours.safetensors"), return_metadata=True)
+    assert sorted(tensors) == ["0.0", "0.1", "1.0", "1.1"] and mx.array_equal(tensors["0.1"], v)
+    assert metadata["1.0"] == metadata["1.1"] == "ConcatenateKVCache"
+    # Only the empty entry's two None leaves are noted as such.
+    assert sorted(m for key, m in metadata.items() if re.fullmatch(r"2\.\d+\.0", key)) == ["1.0", "1.1"]
+    assert load_prompt_cache(str(tmp_path / "ours.safetensors"))[1].empty()
+
+
 def test_hand_written_file_of_upstreams_earlier_layout_loads(tmp_path):
     k, v = kv(6, 0)
     qk, qv = mx.quantize(k, 32, 4), mx.quantize(v, 32, 4)
@@ -167,7 +185,7 @@ def write_bad(path, tensors, metadata):
         ({"0.0": mx.zeros((1,))}, {"0.0": "", "2.0": "os.system"}, "unknown cache class 'os.system'"),
         ({}, {"0.0": ""}, "0 class names and 1 meta states"),
         ({}, {"0": "", "2.0": "KVCache"}, "1 class names and no list of meta states"),
-        ({"5.0": mx.zeros((1,))}, {"0.0": "", "2.0": "KVCache"}, "tensor '5.0' belongs to no cache entry"),
+        ({"x.0": mx.zeros((1,))}, {"0.0": "", "2.0": "KVCache"}, "tensor 'x.0' belongs to no cache entry"),
         ({"0.0": mx.zeros((1, 1, 2, 4))}, {"0.0": "", "2.0": "KVCache"}, r"entry 0 \('KVCache'\)"),
         ({"0": mx.zeros((2, 1, 2, 4))}, {"0.0": "", "2.0": "KVCache"}, "must be a list of arrays"),
         ({}, {"0.0": "", "2.0": "KVCache", "2.2": "KVCache"}, "indices"),

@@ -44,12 +44,6 @@ class BatchArraysCache(_NotSaved, ArraysCache):
     def batch_size(self) -> int:
         return self._rows_without_state if self.cache[0] is None else self.cache[0].shape[0]
 
-    @staticmethod
-    def _num_rows(cache: ArraysCache) -> int:
-        if isinstance(cache, BatchArraysCache):
-            return cache.batch_size
-        return 1 if cache.cache[0] is None else cache.cache[0].shape[0]  # one sequence's
-
     def _like(self, arrays: List[Optional[mx.array]], num_rows: int) -> "BatchArraysCache":
         made = BatchArraysCache(len(arrays))
         made.cache = arrays
@@ -67,7 +61,7 @@ class BatchArraysCache(_NotSaved, ArraysCache):
             raise ValueError(f"a BatchArraysCache cannot be extended by a {type(other).__name__}")
         if len(other.cache) != len(self.cache):
             raise ValueError(f"ArraysCache of {len(other.cache)} arrays cannot join a batch of {len(self.cache)}")
-        num_rows, joined = self._num_rows(other), []
+        num_rows, joined = other.batch_size, []
         for mine, theirs in zip(self.cache, other.cache):
             if (mine is None) != (theirs is None) and self.batch_size and num_rows:
                 raise ValueError("a recurrent cache that has seen no token cannot join one that has "
@@ -85,11 +79,6 @@ class BatchArraysCache(_NotSaved, ArraysCache):
         rows = _rows(indices, self.batch_size)
         at = mx.array(rows, dtype=mx.int32)
         return self._like([None if a is None else mx.take(a, at, axis=0) for a in self.cache], len(rows))
-
-    def extract(self, index: int) -> ArraysCache:
-        row = ArraysCache(len(self.cache))
-        row.cache = [None if a is None else mx.contiguous(a[index : index + 1]) for a in self.cache]
-        return row
 
     def start_speculation(self, rollback_window: int = 1) -> None:
         self._rollbacks = RollbackLog(max(rollback_window, 1))

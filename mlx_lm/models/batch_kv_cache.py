@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import KVCache, QuantizedKVCache, check_kv_quantization_params
-from .cache_base import int_list
+from .cache_base import grown_capacity, int_list
 
 
 NO_TOKEN = -1  # the position of a column that holds no token (padding, a rejected draft)
@@ -178,7 +178,7 @@ class _AlignedKV(_NotSaved):
         return len(self.lengths)
 
     def _capacity(self, needed: int) -> int:
-        return -(-needed // self.step) * self.step
+        return grown_capacity(needed, self.step)
 
     def _columns_to_drop(self, num_new: int) -> int:
         """Leading columns no query will see any more (a window's)."""

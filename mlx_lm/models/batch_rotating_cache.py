@@ -1,7 +1,7 @@
 """Batched sliding windows (RotatingKVCache rows) and chunked attention (ChunkedKVCache
 rows), in the right-aligned layout of `batch_kv_cache.py`."""
 
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import mlx.core as mx
 
@@ -57,6 +57,12 @@ class BatchRotatingKVCache(_AlignedKV):
             rows = [c._temporal_order(c.keys), c._temporal_order(c.values)] if held else None
             batch.extend(cls._from_rows(rows, c.offset - held, c.offset, max_size=max_size))
         return batch
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> NoReturn:
+        raise ValueError(
+            "A BatchRotatingKVCache (sliding-window rows) cannot be quantized, as its RotatingKVCache rows "
+            "cannot; drop --kv-bits or --max-kv-size"
+        )
 
     def extend(self, other: "BatchRotatingKVCache") -> "BatchRotatingKVCache":
         """Other's rows after these, in place (as upstream's); returns self."""

@@ -11,12 +11,17 @@ between `start_speculation()` and `stop_speculation()` they keep a `RollbackLog`
 the forwards they took part in, and `trim(n)` rewinds through it exactly.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache_base import BATCH_CLASSES, ROLLBACK_WINDOW, RollbackLog, _AppendOnlyCache, _BaseCache, _grow, check_unpadded
+from .cache_base import (  # noqa: F401  (create_attention_mask, dynamic_roll: upstream's home)
+    BATCH_CLASSES, ROLLBACK_WINDOW, RollbackLog, _AppendOnlyCache, _BaseCache, _grow, check_unpadded,
+    create_attention_mask, dynamic_roll, grown_capacity,
+)
 from .cache_files import read_cache_file, write_cache_file
+from .prompt_trie import PromptTrie, PromptTrieResult  # noqa: F401  (upstream's home of both)
+from .quantized_cache import QuantizedKVCache, check_kv_quantization_params
 from .rotating_cache import ChunkedKVCache, RotatingKVCache  # noqa: F401  (upstream's home of both)
 
 
@@ -78,6 +83,28 @@ class KVCache(_AppendOnlyCache):
         if self.keys is not None and self.offset:
             quantized.update_and_fetch(*self.state)
         return quantized
+
+
+class ConcatenateKVCache(KVCache):
+    """Upstream's simplest KV cache: keys and values (B, H_kv, T, D) of every token seen,
+    one array each, concatenated on every update (no spare rows: the choice for a few
+    large updates, where KVCache's blocks buy nothing). `trim(n)` drops the rows."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append (B, H_kv, S, D) keys/values; return all (B, H_kv, offset, D) so far."""
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        self.keys, self.values, self.offset = keys, values, keys.shape[2]
+        return keys, values
+
+    def trim(self, n: int) -> int:
+        """Drop the last n rows (upstream moves only the offset and keeps returning them)."""
+        n = super().trim(n)
+        if n:
+            kept = self.offset
+            self.keys, self.values = (self.keys[..., :kept, :], self.values[..., :kept, :]) if kept else (None, None)
+        return n
 
 
 class ArraysCache(_BaseCache):
@@ -148,6 +175,20 @@ class ArraysCache(_BaseCache):
 
     def __setitem__(self, index: int, value: Optional[mx.array]):
         self.cache[index] = value
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the state arrays (1 before they are set: one sequence, as upstream)."""
+        return 1 if self.cache[0] is None else self.cache[0].shape[0]
+
+    def extract(self, index: int) -> "ArraysCache":
+        """Row `index` of the state arrays, as a cache of its own (upstream's)."""
+        if not 0 <= index < self.batch_size:
+            raise IndexError(f"row {index} does not exist in an ArraysCache of {self.batch_size} rows")
+        row = ArraysCache(len(self.cache))
+        # Copied: a slice would be a view keeping every row's arrays alive.
+        row.cache = [None if a is None else mx.contiguous(a[index : index + 1]) for a in self.cache]
+        return row
 
     def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         return None
@@ -332,8 +373,8 @@ class SharedKVReader(_BaseCache):
 
 
 # Explicit name -> class registry for rebuilding caches from saved class names.
-CACHE_CLASSES = {c.__name__: c for c in (KVCache, RotatingKVCache, ArraysCache, CacheList, SharedKVReader)}
-CACHE_CLASSES[ChunkedKVCache.__name__] = ChunkedKVCache
+CACHE_CLASSES = {c.__name__: c for c in (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatingKVCache,
+                                          ChunkedKVCache, ArraysCache, CacheList, SharedKVReader)}
 
 
 def make_prompt_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:
@@ -379,105 +420,6 @@ def trim_prompt_cache(cache: List[Any], num_tokens: int) -> int:
     return num_tokens
 
 
-# ---------------------------------------------------------------------------
-# Quantized KV cache.
-
-# What MLX's affine quantization accepts.
-KV_BITS = (2, 3, 4, 5, 6, 8)
-KV_GROUP_SIZES = (32, 64, 128)
-
-
-def check_kv_quantization_params(group_size: int, bits: int) -> None:
-    if bits not in KV_BITS:
-        raise ValueError(f"KV cache quantization supports bits {list(KV_BITS)}, got kv_bits={bits}")
-    if group_size not in KV_GROUP_SIZES:
-        raise ValueError(
-            f"KV cache quantization supports group sizes {list(KV_GROUP_SIZES)}, got kv_group_size={group_size}"
-        )
-
-
-class QuantizedKVCache(_AppendOnlyCache):
-    """Keys and values quantized along the head dimension as they arrive.
-
-    Each of keys and values is a (packed, scales, biases) triple: uint32
-    (B, H_kv, T, D * bits / 32) and (B, H_kv, T, D / group_size) twice, grown in blocks
-    of `step`. Each token row is quantized once, on its own. Attention reads the triples
-    with quantized matmuls (`base.quantized_scaled_dot_product_attention`).
-    """
-
-    step = 256
-
-    def __init__(self, group_size: int = 64, bits: int = 8):
-        check_kv_quantization_params(group_size, bits)
-        self.group_size = group_size
-        self.bits = bits
-        self.keys: Optional[Tuple[mx.array, ...]] = None
-        self.values: Optional[Tuple[mx.array, ...]] = None
-        self.offset = 0
-
-    def _quantize(self, rows: mx.array) -> Tuple[mx.array, ...]:
-        if rows.shape[-1] % self.group_size:
-            raise ValueError(
-                f"kv_group_size {self.group_size} does not divide the head dimension {rows.shape[-1]}; "
-                f"choose one of {[g for g in KV_GROUP_SIZES if rows.shape[-1] % g == 0] or 'none: keep the cache float'}"
-            )
-        return tuple(mx.quantize(rows, group_size=self.group_size, bits=self.bits))
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Quantize and append (B, H_kv, S, D) keys/values; return both triples up to offset."""
-        start, end = self.offset, self.offset + keys.shape[2]
-        new_keys, new_values = self._quantize(keys), self._quantize(values)
-        if self.keys is None or end > self.keys[0].shape[2]:
-            old_keys, old_values = self.keys or (None,) * 3, self.values or (None,) * 3
-            self.keys = tuple(_grow(b, start, end, n, self.step) for b, n in zip(old_keys, new_keys))
-            self.values = tuple(_grow(b, start, end, n, self.step) for b, n in zip(old_values, new_values))
-        for buffer, rows in zip(self.keys + self.values, new_keys + new_values):
-            buffer[..., start:end, :] = rows
-        self.offset = end
-        return self.keys_and_values()
-
-    def keys_and_values(self):
-        """The quantized (packed, scales, biases) keys and values held, as
-        update_and_fetch returns them, for quantized attention; (None, None) when empty."""
-        if self.keys is None:
-            return None, None
-        return self._upto(self.keys, self.offset), self._upto(self.values, self.offset)
-
-    @staticmethod
-    def _upto(triple: Tuple[mx.array, ...], end: int) -> Tuple[mx.array, ...]:
-        return tuple(t[..., :end, :] for t in triple)
-
-    @property
-    def state(self):
-        if self.keys is None:
-            return []
-        return self._upto(self.keys, self.offset), self._upto(self.values, self.offset)
-
-    @state.setter
-    def state(self, value):
-        self.keys, self.values = (tuple(value[0]), tuple(value[1])) if len(value) else (None, None)
-        self.offset = 0 if self.keys is None else self.keys[0].shape[2]
-
-    @property
-    def meta_state(self):
-        return tuple(map(str, (self.offset, self.group_size, self.bits)))
-
-    @meta_state.setter
-    def meta_state(self, value):
-        offset, group_size, bits = map(int, value)
-        check_kv_quantization_params(group_size, bits)
-        held = 0 if self.keys is None else self.keys[0].shape[2]
-        if offset > held:
-            raise ValueError(f"QuantizedKVCache offset {offset} exceeds the {held} rows it holds")
-        self.offset, self.group_size, self.bits = offset, group_size, bits
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else sum(t.nbytes for t in self.keys + self.values)
-
-
-CACHE_CLASSES[QuantizedKVCache.__name__] = QuantizedKVCache
-
 
 def check_kv_quantization(prompt_cache: List[Any], group_size: int, bits: int, quantized_kv_start: int) -> None:
     """Validate KV quantization options against a cache before any work is done."""
@@ -506,6 +448,51 @@ def maybe_quantize_kv_cache(
         if isinstance(entry, (KVCache, RotatingKVCache)) and entry.offset >= quantized_kv_start:
             prompt_cache[i] = entry.to_quantized(group_size=kv_group_size, bits=kv_bits)
 
+
+
+class TokenBuffer:
+    """Upstream's: one sequence's token ids as an int32 array that grows in blocks of
+    `step` (so appending a token at a time reallocates once per `step` tokens), for
+    logits processors that read the history as an array."""
+
+    step = 256
+
+    def __init__(self, tokens=None):
+        tokens = _token_ids([] if tokens is None else tokens)
+        self._buffer = mx.zeros((grown_capacity(tokens.size, self.step),), mx.int32)
+        self._buffer[: tokens.size] = tokens
+        self._size = tokens.size
+
+    def update_and_fetch(self, tokens) -> mx.array:
+        """Append `tokens` (a list or 1-D array of ids); return every token so far."""
+        tokens = _token_ids(tokens)
+        start, end = self._size, self._size + tokens.size
+        if end > self._buffer.size:
+            spare = mx.zeros((grown_capacity(end, self.step) - self._buffer.size,), mx.int32)
+            self._buffer = mx.concatenate([self._buffer, spare])
+        self._buffer[start:end] = tokens
+        self._size = end
+        return self.tokens
+
+    @property
+    def tokens(self) -> mx.array:
+        return self._buffer[: self._size]
+
+    @property
+    def state(self) -> mx.array:
+        """The tokens held (upstream's also carries the unused zeros of the last block)."""
+        return self.tokens
+
+
+def _token_ids(tokens) -> mx.array:
+    """Token ids (a list or an array) as a 1-D int32 array, refusing anything else."""
+    ids = tokens
+    if isinstance(tokens, (list, tuple)):  # (no dtype given: floats must show, not truncate)
+        ids = mx.array(list(tokens)) if len(tokens) else mx.zeros((0,), mx.int32)
+    if not isinstance(ids, mx.array) or ids.ndim != 1 or not mx.issubdtype(ids.dtype, mx.integer):
+        described = f"shape {tuple(ids.shape)} dtype {ids.dtype}" if isinstance(ids, mx.array) else type(tokens).__name__
+        raise ValueError(f"token ids must be a list or a 1-D integer array, got {described}")
+    return ids.astype(mx.int32)
 
 
 # ---------------------------------------------------------------------------

@@ -9,11 +9,16 @@ import mlx.core as mx
 from .masks import create_causal_mask
 
 
+def grown_capacity(needed: int, step: int) -> int:
+    """`needed` rounded up to a whole number of blocks of `step`: a buffer grown to it
+    reallocates once per `step` appended tokens, not once per token."""
+    return -(-needed // step) * step
+
+
 def _grow(buffer: Optional[mx.array], used: int, needed: int, like: mx.array, step: int, limit=None):
     """A (B, H, capacity, D) buffer holding the first `used` rows of `buffer` and room
-    for `needed` rows; capacity rounds up to `step` (at most `limit`), so appending one
-    token at a time reallocates once per `step` tokens."""
-    capacity = -(-needed // step) * step
+    for `needed` rows; capacity rounds up to `step` (at most `limit`)."""
+    capacity = grown_capacity(needed, step)
     if limit is not None:
         capacity = min(capacity, limit)
     B, H, _, D = like.shape
@@ -68,6 +73,44 @@ class RollbackLog:
             if keep:
                 self.records.append((keep, rewind))
             n -= num_tokens - keep
+
+
+def create_attention_mask(N: int, offset: int, return_array: bool, window_size: Optional[int]):
+    """Upstream's: the causal mask of N queries at positions offset.. over the offset + N
+    keys of an append-only cache. None when each query sees every key, "causal" (unless
+    `return_array`) when the plain causal mask is exact, else the (N, offset + N)
+    boolean array. (Upstream returns the array whenever a window is given, also where
+    it hides nothing; the attention computed is the same.)"""
+    if window_size is not None and window_size < 1:
+        raise ValueError(f"an attention window holds at least one token, got window_size={window_size}")
+    sees_all = window_size is None or offset + N <= window_size
+    if N == 1 and (window_size is None or offset < window_size):
+        return None
+    if sees_all and not return_array:
+        return "causal"
+    return create_causal_mask(N, offset, window_size)
+
+
+def dynamic_roll(x: mx.array, shifts, axis: int) -> mx.array:
+    """Upstream's: `x` rolled along `axis` by a shift of its own for each index of the
+    axes before it: out[i..., j, ...] = x[i..., (j - shifts[i...]) % n, ...].
+
+    shifts: an int or an integer array broadcastable to x.shape[:axis] (e.g. (B, 1)
+    for the (B, H, T, D) keys of a batch rolled along T, one shift per row)."""
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of {x.ndim} dimensions")
+    axis %= x.ndim
+    shifts = mx.array(shifts)
+    if shifts.ndim > axis or mx.issubdtype(shifts.dtype, mx.floating):
+        raise ValueError(f"shifts must be integers broadcastable to the axes before axis {axis} "
+                         f"{tuple(x.shape[:axis])}, got dtype {shifts.dtype} shape {tuple(shifts.shape)}")
+    n = x.shape[axis]
+    after = x.ndim - axis - 1
+    columns = mx.arange(n).reshape(n, *(1,) * after)  # (n, 1, ...): along axis
+    # (..., n, 1, ...) sources; take_along_axis broadcasts them over the other axes.
+    sources = (columns - shifts[(...,) + (None,) * (after + 1)]) % n
+    sources = sources.reshape(*(1,) * (x.ndim - sources.ndim), *sources.shape)
+    return mx.take_along_axis(x, sources, axis=axis)
 
 
 class _BaseCache:
@@ -133,15 +176,9 @@ class _AppendOnlyCache(_BaseCache):
     offset: int
 
     def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
-        """The causal mask of num_queries new tokens over every token held; None when
-        each query sees every key, "causal" (unless `return_array`) when the plain
-        causal mask is exact, else the (N, offset + N) boolean array."""
-        sees_all = window_size is None or self.offset + num_queries <= window_size
-        if num_queries == 1 and (window_size is None or self.offset < window_size):
-            return None
-        if sees_all and not return_array:
-            return "causal"
-        return create_causal_mask(num_queries, self.offset, window_size)
+        """The causal mask of num_queries new tokens over every token held (see
+        create_attention_mask)."""
+        return create_attention_mask(num_queries, self.offset, return_array, window_size)
 
     def size(self) -> int:
         return self.offset

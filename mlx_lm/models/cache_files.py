@@ -72,6 +72,8 @@ def to_current_state(class_name: str, state, meta_state):
     if class_name == "KVCache":
         keys, values = state if state else (None, None)
         return [keys, values, 0 if keys is None else keys.shape[2]]
+    if class_name == "ConcatenateKVCache":
+        return list(state) if state else [None, None]
     if class_name == "QuantizedKVCache":
         keys, values = state if state else (None, None)
         return [keys, values, *_ints(meta_state)]  # offset, group_size, bits
@@ -96,6 +98,9 @@ def from_current_state(class_name: str, state) -> Tuple[Any, Any]:
     if class_name == "KVCache":
         keys, values, offset = state
         return ([] if keys is None else [keys[..., :offset, :], values[..., :offset, :]]), ""
+    if class_name == "ConcatenateKVCache":
+        keys, values = state
+        return ([] if keys is None else [keys, values]), ""
     if class_name == "QuantizedKVCache":
         keys, values, offset, group_size, bits = state
         return ([] if keys is None else [list(keys), list(values)]), tuple(map(str, (offset, group_size, bits)))
@@ -164,13 +169,17 @@ def _is_current_layout(strings: Dict[str, str]) -> bool:
 
 
 def _by_layer(leaves: dict, num_layers: int) -> Dict[int, dict]:
-    """{"<layer>.<rest>": leaf} -> {layer: {"<rest>": leaf}} for layers 0..num_layers-1."""
+    """{"<layer>.<rest>": leaf} -> {layer: {"<rest>": leaf}} for layers 0..num_layers-1.
+    Tensors of layers past the class names are skipped, as upstream's loader (which
+    zips names with states) skips them: a checkpointed cache keeps its snapshots there
+    (models/checkpoint_files.py)."""
     per_layer: Dict[int, dict] = {i: {} for i in range(num_layers)}
     for key, leaf in leaves.items():
         layer, _, rest = key.partition(".")
-        if not (layer.isdigit() and int(layer) in per_layer):
+        if not layer.isdigit():
             raise ValueError(f"tensor {key!r} belongs to no cache entry")
-        per_layer[int(layer)][rest] = leaf
+        if int(layer) in per_layer:
+            per_layer[int(layer)][rest] = leaf
     return per_layer
 
 

@@ -273,12 +273,20 @@ class RotatingKVCache(_BaseCache):
         # go back in time from it, wrapped or not (before the wrap slot s holds s).
         return mx.where(slots < self.keep, slots, self.offset - (idx - 1 - slots) % ring)
 
-    @property
-    def state(self):
+    def keys_and_values(self):
+        """The keys and values held, in ring order: what a single-token update_and_fetch
+        returns (and what make_mask(1) masks), for a layer reading this layer's cache.
+        After a multi-token update that outgrew the window, only the newest window is
+        held (upstream keeps what that update returned until the next write); (None,
+        None) when empty."""
         if self.keys is None:
-            return []
+            return None, None
         n = self.size()
         return self.keys[..., :n, :], self.values[..., :n, :]
+
+    @property
+    def state(self):
+        return [] if self.keys is None else self.keys_and_values()
 
     @state.setter
     def state(self, value):
