@@ -466,19 +466,27 @@ def usage(result: GenerationResult) -> dict:
 SYSTEM_FINGERPRINT = f"mlx_lm-{__version__}-mlx-{mx.__version__}-{platform.system().lower()}-{platform.machine()}"
 
 
+def get_system_fingerprint() -> str:
+    """Upstream's name for the answers' system_fingerprint: this project's version,
+    MLX's, the OS and the machine (upstream's names the platform and GPU instead)."""
+    return SYSTEM_FINGERPRINT
+
+
 class ResponseBuilder:
     """Builds the chat.completion / text_completion bodies and chunks of one request.
     A chat's text is split into content, reasoning and tool calls by the router of its
     ChatPlan (chat_output.py), which `plan` returns once the prompt is rendered (the
-    worker renders another model's prompt, so it is asked for at the first text)."""
+    worker renders another model's prompt, so it is asked for at the first text).
+    `response_id`: the answer's id (the handler's request_id), else a new one."""
 
     def __init__(self, request: GenerationRequest, model_name: str,
                  plan: Callable[[], Optional[ChatPlan]] = lambda: None, *,
-                 system_fingerprint: str = SYSTEM_FINGERPRINT):
+                 system_fingerprint: str = SYSTEM_FINGERPRINT, response_id: Optional[str] = None):
         self.chat = request.kind == "chat"
         self.stream = request.stream
         self.logprobs = request.logprobs
-        self.header = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4()}", "created": int(time.time()),
+        response_id = response_id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4()}"
+        self.header = {"id": response_id, "created": int(time.time()),
                        "model": model_name, "system_fingerprint": system_fingerprint}
         self.chunk_header = {**self.header, "object": "chat.completion.chunk" if self.chat else "text_completion"}
         self.text_offset = 0

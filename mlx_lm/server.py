@@ -31,6 +31,12 @@ tool_parsers/) becomes `tool_calls` (streamed when a call is complete; finish_re
 "tool_calls"), and text between its reasoning markers `reasoning_content` (also
 upstream's `reasoning`). Tool-call text that does not parse is returned as content.
 
+Modules: here the command line and APIServer (connections); api_handler.py the handler,
+whose routes call upstream's hook methods (handle_completion, handle_chat_completions,
+...), so that a subclass's overrides are served; http_input.py a connection's input
+(deadlines, body framing); server_embedding.py upstream's embedding API;
+chat_messages.py upstream's convert_chat and process_message_content.
+
 Extensions to OpenAI's schema: request `num_draft_tokens`; in `usage`,
 `speculation: {num_drafted, num_accepted, num_target_forwards, ...}` (with the
 per-depth acceptance, round costs and the speedup bound: openai_api.usage) and
@@ -39,24 +45,22 @@ target accepted / rejected).
 """
 
 import argparse
-import io
 import json
 import logging
 import math
-import queue
 import re
-import select
 import socket
 import sys
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, List, Optional
-from urllib.parse import unquote
+from http.server import ThreadingHTTPServer
+from typing import List, Optional
 
 import mlx.core as mx
 
-from . import distributed, distributed_serving
+from . import distributed, distributed_serving, server_embedding
+from .api_handler import APIHandler, WORKER_STOPPED  # noqa: F401  (WORKER_STOPPED: the handler's 503)
+from .chat_messages import convert_chat, process_message_content  # noqa: F401  (upstream's helpers)
+from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
 from .cli_args import (
     HelpFormatter,
     add_drafter_arguments,
@@ -66,107 +70,27 @@ from .cli_args import (
     positive_float,
     positive_int,
 )
-from .openai_api import (
-    MAX_BODY_BYTES,
-    MAX_JSON_DEPTH,
-    MAX_TOKENS_LIMIT,
-    RequestError,
-    ResponseBuilder,
-    SYSTEM_FINGERPRINT,
-    ServerDefaults,
-    error_body,
-    parse_request,
-)
-from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
-from .connection_slots import ConnectionSlot, ConnectionSlots, Evicted
-from . import server_embedding
+from .connection_slots import ConnectionSlots
+from .fast_blas import blas_line
+from .feeding import DEFAULT_PREFILL_STEP_SIZE
+from .http_input import body_size  # noqa: F401  (was defined here)
+from .openai_api import MAX_TOKENS_LIMIT, ServerDefaults, error_body
+from .openai_api import get_system_fingerprint  # noqa: F401  (upstream's name)
 # Upstream's embedding API, for `from mlx_lm.server import ...` (server_embedding.py).
 from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments  # noqa: F401
 from .server_embedding import (  # noqa: F401  (upstream's request API of ResponseGenerator.generate)
     CompletionRequest, GenerationArguments, GenerationContext, LogitsProcessorArguments, ModelDescription, Response,
 )
-from .utils import compute_dtype, parameter_dtypes
-from .feeding import DEFAULT_PREFILL_STEP_SIZE
-from .fast_blas import blas_line
-from .metrics import CONTENT_TYPE
 from .serving import (
     PROMPT_CACHE_MEMORY_FRACTION,
     BatchWorker,
     GenerationWorker,
-    Job,
     ModelProvider as ServingModelProvider,
     ServedModel,
-    model_id,
 )
+from .utils import compute_dtype, parameter_dtypes
 
 log = logging.getLogger("mlx_lm.server")
-
-
-# ---------------------------------------------------------------------------
-# Connection slots.
-
-
-class _RequestLate(Exception):
-    """A request line and headers not all there by the connection's deadline."""
-
-
-class _RequestReader(io.RawIOBase):
-    """A connection's input under the handler's buffered `rfile`. While `deadline` is
-    set (reading a request line and headers) each read waits only for what is left of
-    it, so a client trickling a byte at a time cannot stretch the wait; otherwise each
-    read waits at most `timeout` (the socket's own)."""
-
-    def __init__(self, sock: socket.socket, slot: ConnectionSlot, timeout: float):
-        self._sock, self._slot, self._timeout = sock, slot, timeout
-        self.deadline: Optional[float] = None  # time.monotonic() seconds
-        self.received = 0  # bytes read since the deadline was set
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        if self.deadline is None:
-            return self._sock.recv_into(buffer)
-        if self._slot.evicted:
-            raise Evicted()
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise _RequestLate()
-        self._sock.settimeout(left)
-        try:
-            count = self._sock.recv_into(buffer)
-        except TimeoutError:
-            raise _RequestLate() from None
-        finally:
-            self._sock.settimeout(self._timeout)
-        if self._slot.evicted:  # its end of input came from the eviction, not the peer
-            raise Evicted()
-        self.received += count
-        return count
-
-
-def body_size(headers) -> int:
-    """The byte count of a request body from its headers; RequestError unless exactly
-    one Content-Length (of ASCII digits, and no Transfer-Encoding) gives it."""
-    if headers.get("Transfer-Encoding") is not None:
-        raise RequestError(411, "chunked request bodies are not supported: send a Content-Length header")
-    lengths = headers.get_all("Content-Length", [])
-    if not lengths:
-        raise RequestError(411, "a Content-Length header is required")
-    if len(lengths) > 1:  # which one frames the body is exactly what request smuggling plays on
-        raise RequestError(400, f"the request has {len(lengths)} Content-Length headers: send exactly one")
-    length = lengths[0].strip()
-    if not (length.isascii() and length.isdigit()):  # str.isdigit() alone takes "\u00b2"
-        shown = repr(length) if len(length) <= 40 else repr(length[:40]) + "..."
-        raise RequestError(400, f"invalid Content-Length header {shown}: expected a byte count")
-    digits = length.lstrip("0") or "0"  # int() refuses over 4300 digits, even zeros
-    if len(digits) > 18:
-        raise RequestError(400, f"invalid Content-Length header: {len(digits)} digits, more than 18 digits "
-                                "(no body is that long)")
-    size = int(digits)
-    if size > MAX_BODY_BYTES:
-        raise RequestError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-    return size
 
 
 # ---------------------------------------------------------------------------
@@ -240,322 +164,6 @@ class APIServer(ThreadingHTTPServer):
         finally:
             sock.close()
 
-
-WORKER_STOPPED = "the generation worker stopped (see the server's log): this server answers no more requests; restart it"
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class APIHandler(BaseHTTPRequestHandler):
-    server: APIServer
-    protocol_version = "HTTP/1.1"
-    # Until a request line names its version; http.server's HTTP/0.9 default would send
-    # error bodies without a status line. Nobody speaks HTTP/0.9.
-    default_request_version = "HTTP/1.0"
-    POST_ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text"}
-    PROBE_INTERVAL = 1.0  # seconds between writes that test a client whose side reads as closed
-
-    def __init__(self, *args: Any, system_fingerprint: Optional[str] = None, **kwargs: Any):
-        """APIServer's form, (request, client_address, server), or upstream's embedding
-        form with a ResponseGenerator first, served by a stock http.server server
-        (server_embedding.py), whose system_fingerprint replaces this project's in answers."""
-        self.system_fingerprint = system_fingerprint or SYSTEM_FINGERPRINT  # set before super() serves
-        if len(args) == 4:  # BaseRequestHandler takes three
-            args = server_embedding.split_handler_args(args)
-            self.protocol_version = "HTTP/1.0"  # one request per connection, as upstream's handler
-        super().__init__(*args, **kwargs)
-
-    def setup(self) -> None:
-        # Bounds each read and write; the request line and headers have a deadline too.
-        self.timeout = self.server.request_timeout
-        super().setup()
-        self._slot = self.server.slots.slot(self.connection)
-        self._reader = _RequestReader(self.connection, self._slot, self.timeout)
-        self.rfile.close()  # socketserver's reader, replaced by one that keeps the deadline
-        self.rfile = io.BufferedReader(self._reader)
-
-    def handle_one_request(self) -> None:
-        """One request. Its line and headers must all arrive within --request-timeout of
-        when the connection began waiting for them: a request late by then gets a 408
-        (nothing if none of it came); a connection evicted meanwhile, nothing."""
-        # Until this request's line is parsed, a reply or a log line must not show the last one's.
-        self.requestline, self.command, self.request_version, self.headers = "", "", self.default_request_version, None
-        self._response_started = False
-        self._reader.deadline = self.server.slots.wait_for_request(self._slot) + self.server.request_timeout
-        self._reader.received = 0
-        try:
-            super().handle_one_request()
-        except Evicted:
-            self.close_connection = True
-        except _RequestLate:
-            self.close_connection = True
-            if self._reader.received:
-                self._reply_error(408, "the request line and headers did not all arrive within "
-                                       f"{self.server.request_timeout:g} s (--request-timeout)")
-
-    def parse_request(self) -> bool:
-        """http.server's, then the body and the answer get per-read timeouts only."""
-        parsed = super().parse_request()
-        self._reader.deadline = None
-        self.server.slots.serve(self._slot)
-        return parsed
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s - %s", self.address_string(), format % args)
-
-    # -- plumbing
-
-    def end_headers(self) -> None:
-        super().end_headers()
-        self._response_started = True
-
-    def _origin_allowed(self) -> bool:
-        """Requests without an Origin (curl, SDKs) are not from a web page."""
-        origin = self.headers.get("Origin")
-        return origin is None or "*" in self.server.allowed_origins or origin in self.server.allowed_origins
-
-    def _cors(self) -> None:
-        origin = self.headers.get("Origin") if getattr(self, "headers", None) is not None else None
-        if origin is None or not self._origin_allowed():
-            return
-        if "*" in self.server.allowed_origins:
-            self.send_header("Access-Control-Allow-Origin", "*")
-        else:
-            self.send_header("Access-Control-Allow-Origin", origin)
-            self.send_header("Vary", "Origin")
-
-    def _send_json(self, status: int, body: dict) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json")
-
-    def _send(self, status: int, data: bytes, content_type: str) -> None:
-        self.send_response(status)
-        if status == HTTPStatus.METHOD_NOT_ALLOWED:
-            self.send_header("Allow", "GET, POST, OPTIONS")
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self._cors()
-        self.end_headers()
-        self.wfile.write(data)
-        self.wfile.flush()
-
-    def _send_error(self, status: int, message: str) -> None:
-        self._send_json(status, error_body(status, message))
-
-    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-        """http.server's own refusals (bad request line, oversized headers, unknown
-        method) in the OpenAI error shape. The stream position is unknown after them."""
-        self.close_connection = True
-        if code == HTTPStatus.NOT_IMPLEMENTED:  # http.server's answer to a method it has no do_ for
-            code, message = HTTPStatus.METHOD_NOT_ALLOWED, f"method {self.command} is not supported: use GET or POST"
-        self._send_error(code, message or HTTPStatus(code).phrase)
-
-    def _write_event(self, data: str) -> None:
-        self.wfile.write(data.encode())
-        self.wfile.flush()
-
-    def _read_body(self) -> Any:
-        try:
-            size = body_size(self.headers)
-        except RequestError:
-            self.close_connection = True  # where the body ends is unknown
-            raise
-        try:
-            raw = self.rfile.read(size)
-        except TimeoutError:
-            self.close_connection = True
-            raise RequestError(408, f"the {size}-byte request body (Content-Length) did not arrive: nothing came "
-                                    f"for {self.server.request_timeout:g} s (--request-timeout)") from None
-        if len(raw) < size:
-            self.close_connection = True
-            raise RequestError(400, f"the request body ended after {len(raw)} of its {size} bytes (Content-Length)")
-        try:
-            return json.loads(raw)
-        except ValueError as e:  # bad syntax, bad UTF-8, an integer of over 4300 digits
-            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels: "
-                                    "send a flatter body") from None
-
-    def _discard_body(self) -> None:
-        """Routes that take no body: one sent anyway would be read as the next request."""
-        lengths = self.headers.get_all("Content-Length", [])
-        if self.headers.get("Transfer-Encoding") is not None or lengths not in ([], ["0"]):
-            self.close_connection = True
-
-    def _guarded(self, route: Callable[[], None]) -> None:
-        """Every failure becomes a JSON error, never a silently dropped connection."""
-        try:
-            if not self._origin_allowed():
-                self.close_connection = True  # the body, if any, stays unread
-                origin = self.headers.get("Origin")
-                raise RequestError(403, f"requests from web pages at {origin!r} are not allowed: the operator "
-                                        "can allow this origin with --allowed-origins")
-            route()
-        except RequestError as e:
-            self._reply_error(e.status, e.message)
-        except OSError:  # the client went away or a write timed out: nobody to tell
-            self.close_connection = True
-        except Exception as e:
-            log.exception("Request handler failed")
-            self.close_connection = True
-            self._reply_error(500, f"internal server error: {type(e).__name__}: {e}")
-
-    def _reply_error(self, status: int, message: str) -> None:
-        if self._response_started:
-            return  # too late for a status line
-        try:
-            self._send_error(status, message)
-        except OSError:
-            self.close_connection = True
-
-    # -- routes
-
-    def do_OPTIONS(self) -> None:
-        self._guarded(self._options)
-
-    def do_GET(self) -> None:
-        self._guarded(self._get)
-
-    def do_POST(self) -> None:
-        self._guarded(self._post)
-
-    def _options(self) -> None:
-        self._discard_body()
-        self.send_response(204)
-        self._cors()
-        self.send_header("Allow", "GET, POST, OPTIONS")
-        if self.headers.get("Origin") is not None:  # a CORS preflight from an allowed origin
-            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-            self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
-            self.send_header("Access-Control-Max-Age", "600")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def _get(self) -> None:
-        self._discard_body()
-        path = unquote(self.path.split("?", 1)[0]).rstrip("/")
-        provider = self.server.provider
-        model = {"id": provider.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx_lm"}
-        if path == "/health":
-            if not self.server.worker.alive:
-                raise RequestError(503, WORKER_STOPPED)
-            self._send_json(200, {"status": "ok"})
-        elif path == "/v1/models":
-            self._send_json(200, {"object": "list", "data": [model]})
-        elif path == "/metrics":
-            worker = self.server.worker
-            self._send(200, worker.metrics.exposition(worker.batch_size, worker.queue_length).encode(), CONTENT_TYPE)
-        elif path.startswith("/v1/models/") and path[len("/v1/models/"):] in provider.names:
-            self._send_json(200, model)
-        else:
-            raise RequestError(404, f"no such endpoint: GET {path}")
-
-    def _post(self) -> None:
-        kind = self.POST_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
-        try:
-            body = self._read_body()
-            if kind is None:
-                raise RequestError(404, f"no such endpoint: POST {self.path}")
-            request = parse_request(body, kind, self.server.defaults)
-            job = self.server.provider.make_job(request)  # tokenizes here, not on the worker
-        except Exception as e:
-            if kind is not None:  # refused before the worker saw it (the worker counts the rest)
-                self.server.worker.metrics.count_error(kind, e.status if isinstance(e, RequestError) else 500)
-            raise
-        self.server.worker.submit(job)
-        name = self.server.provider.model_id if job.model_key is None else model_id(job.model_key)
-        builder = ResponseBuilder(request, name, lambda: job.chat_plan, system_fingerprint=self.system_fingerprint)
-        self._last_probe = -math.inf
-        try:
-            if request.stream:
-                self._stream(job, builder)
-            else:
-                self._complete(job, builder)
-        except (_ClientGone, OSError):
-            job.cancelled.set()
-            self.close_connection = True
-
-    def _next_event(self, job: Job) -> tuple:
-        """The job's next event; _ClientGone if the client hangs up while waiting (a
-        non-streaming client, or a stream during a long prefill or queue wait)."""
-        while True:
-            try:
-                return job.events.get(timeout=0.25)
-            except queue.Empty:
-                if self._client_gone():
-                    raise _ClientGone() from None
-                if not self.server.worker.alive:  # it would never answer
-                    return ("error", 503, WORKER_STOPPED)
-
-    def _client_gone(self) -> bool:
-        """A reset connection is gone. End of input alone is not: a client may half-close
-        after sending its request and still read the answer. Only a write tells the two
-        apart (a closed peer answers it with a reset), so then write something every
-        client ignores: before the response an interim `100 Continue` (RFC 9110 15.2:
-        clients must accept unexpected 1xx responses), inside an event stream a comment."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable or self.connection.recv(1, socket.MSG_PEEK):
-                return False  # nothing new, or bytes of a next request
-            # After end of input, recv keeps returning b"" even once a reset has come.
-            if self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                return True
-        except OSError:
-            return True
-        if self.request_version == "HTTP/1.0":
-            return True  # no 1xx may go to an HTTP/1.0 client: take end of input as goodbye
-        if time.monotonic() - self._last_probe >= self.PROBE_INTERVAL:
-            self._last_probe = time.monotonic()
-            self.wfile.write(b": probe\n\n" if self._response_started else b"HTTP/1.1 100 Continue\r\n\r\n")
-            self.wfile.flush()
-        return False
-
-    def _complete(self, job: Job, builder: ResponseBuilder) -> None:
-        event = self._next_event(job)  # no deltas or keepalives: the job does not stream
-        if event[0] == "error":
-            self._send_error(event[1], event[2])
-        else:
-            self._send_json(200, builder.completion(event[1]))
-
-    def _start_stream(self, builder: ResponseBuilder) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")  # the end of the stream ends the response
-        self._cors()
-        self.end_headers()
-        self.close_connection = True
-        if builder.chat:
-            self._write_event(f"data: {json.dumps(builder.role_chunk())}\n\n")
-
-    def _stream(self, job: Job, builder: ResponseBuilder) -> None:
-        while True:
-            event = self._next_event(job)
-            if event[0] == "error" and not self._response_started:
-                self._send_error(event[1], event[2])
-                return
-            if not self._response_started:
-                self._start_stream(builder)
-            if event[0] == "keepalive":
-                self._write_event(f": keepalive {event[1]}/{event[2]}\n\n")
-            elif event[0] == "delta":
-                chunk = builder.chunk(event[1], event[2])
-                if chunk is not None:  # None: nothing to send yet (a tool call still being written)
-                    self._write_event(f"data: {json.dumps(chunk)}\n\n")
-            elif event[0] == "error":  # after the headers: report in band
-                self._write_event(f"data: {json.dumps(error_body(event[1], event[2]))}\n\ndata: [DONE]\n\n")
-                return
-            else:
-                result = event[1]
-                self._write_event(f"data: {json.dumps(builder.chunk('', [], result.finish_reason))}\n\n")
-                if job.request.include_usage:
-                    self._write_event(f"data: {json.dumps(builder.usage_chunk(result))}\n\n")
-                self._write_event("data: [DONE]\n\n")
-                return
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,9 @@ answered by `mlx_lm.server.APIHandler` exactly as `mlx_lm.server`'s own APIServe
 project's worker (serving.py): batching with `decode_concurrency` > 1, speculation with
 `draft_model`. The namespace may also set this project's own options (PROJECT_DEFAULTS:
 `prompt_lookup`, `mtp`, `request_timeout`, `max_prompt_tokens`, ...), as its parser names them.
+A subclass of APIHandler may override upstream's handler methods (handle_completion,
+handle_chat_completions, handle_text_completions, validate_model_parameters,
+handle_models_request, handle_health_check): the routes call them (api_handler.py).
 
 What differs from upstream, on purpose:
 - The model is loaded when the ResponseGenerator is made (upstream: on its thread), so a

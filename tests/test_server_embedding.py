@@ -6,6 +6,7 @@ the worker speculate), and the hardening limits must hold through the adapters."
 import argparse
 import http.client
 import json
+import shutil
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from test_server import reference as plain_reference
 
 from mlx_lm.openai_api import MAX_BODY_BYTES
 from mlx_lm.server import APIHandler, LRUPromptCache, ModelProvider, ResponseGenerator, SamplingArguments, run
+from mlx_lm.server import get_system_fingerprint
 from mlx_lm.server import ToolCallFormatter  # noqa: F401  (upstream's import list, all of it)
 from mlx_lm.utils import load
 
@@ -45,10 +47,11 @@ def model_dirs(tmp_path_factory):
             "draft": write_checkpoint(root / "draft", TINY_CONFIGS["qwen3"], scale=0.45)}
 
 
-def serve(response_generator, server_class, **handler_kwargs):
+def serve(response_generator, server_class, handler_class=APIHandler, **handler_kwargs):
     """Upstream's embedding, line for line: a stock server on a free port, in a thread."""
-    httpd = server_class(("localhost", 0), lambda *args, **kwargs: APIHandler(response_generator, *args,
-                                                                              **handler_kwargs, **kwargs))
+    httpd = server_class(("localhost", 0), lambda *args, **kwargs: handler_class(response_generator, *args,
+                                                                                 **handler_kwargs, **kwargs))
+    httpd.response_generator = response_generator  # for the tests' own use
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     return httpd, thread
@@ -93,6 +96,7 @@ def test_chat_and_text_equal_plain_generation_streamed_or_not(embedded, model_di
     whole = openai_client.chat.completions.create(model="default_model", messages=MESSAGES, temperature=0)
     assert whole.choices[0].message.content == expected_chat
     assert whole.usage.model_extra["speculation"]["num_drafted"] > 0  # the draft ran
+    assert whole.system_fingerprint == get_system_fingerprint()
     chunks = openai_client.chat.completions.create(model="default_model", messages=MESSAGES, temperature=0,
                                                    stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_chat
@@ -191,3 +195,138 @@ def test_sampling_arguments_make_upstreams_sampler(model_dirs):
                                  xtc_threshold=0.1)
     logprobs = mx.log(mx.array([[0.1, 0.6, 0.3]]))
     assert sampling.make_sampler(tokenizer)(logprobs).item() == 1
+
+
+# ---------------------------------------------------------------------------
+# Upstream's handler hooks: a subclass's override is called and what it returns is served.
+
+
+@pytest.fixture
+def hooked(embedded):
+    """serve_with(handler_class): a stock HTTPServer on the embedded fixture's
+    ResponseGenerator (speculating with a draft), with that APIHandler subclass."""
+    servers = []
+
+    def serve_with(handler_class):
+        httpd, thread = serve(embedded.response_generator, HTTPServer, handler_class=handler_class)
+        servers.append((httpd, thread))
+        return httpd
+
+    yield serve_with
+    for httpd, thread in servers:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+def test_a_chat_hook_changes_what_is_generated(hooked, model_dirs):
+    calls = []
+
+    class PirateHandler(APIHandler):
+        def handle_chat_completions(self):
+            request = super().handle_chat_completions()
+            calls.append((self.temperature, self.max_tokens, self.stream, request.messages[-1]["content"]))
+            request.messages.insert(0, {"role": "system", "content": "Speak like a pirate."})
+            self.request_id = "chatcmpl-pirate"  # upstream's hooks name the answer
+            return request
+
+    httpd = hooked(PirateHandler)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "more."}]}]
+    answer = client(httpd).chat.completions.create(model="default_model", messages=messages, temperature=0,
+                                                   max_tokens=MAX_TOKENS)
+    # The hook saw upstream's attributes and the checked messages (content parts joined).
+    assert calls == [(0.0, MAX_TOKENS, False, "Tell me more.")]
+    expected = reference(model_dirs["dense"], messages=[{"role": "system", "content": "Speak like a pirate."},
+                                                        {"role": "user", "content": "Tell me more."}])
+    assert answer.choices[0].message.content == expected != reference(model_dirs["dense"],
+                                                                      [{"role": "user", "content": "Tell me more."}])
+    assert answer.id == "chatcmpl-pirate"
+    assert answer.usage.model_extra["speculation"]["num_drafted"] > 0  # the worker still speculated
+
+
+def test_text_and_completion_hooks_wrap_the_worker(hooked, model_dirs):
+    stops = []
+
+    class PrefixHandler(APIHandler):
+        def handle_text_completions(self):
+            request = super().handle_text_completions()
+            request.prompt = "Once upon a time " + request.prompt
+            return request
+
+        def handle_completion(self, request, stop_words):
+            stops.append((request.prompt, stop_words))
+            super().handle_completion(request, stop_words + ["zzz-never"])
+
+    httpd = hooked(PrefixHandler)
+    streamed = client(httpd).completions.create(model="default_model", prompt="there was", temperature=0,
+                                                stream=True, stop=["qqq-never"], max_tokens=MAX_TOKENS)
+    assert "".join(c.choices[0].text for c in streamed) == reference(model_dirs["dense"],
+                                                                     prompt="Once upon a time there was")
+    assert stops == [("Once upon a time there was", ["qqq-never"])]
+
+
+def test_a_validation_hook_refuses_with_its_message_and_the_server_goes_on(hooked):
+    class CappedHandler(APIHandler):
+        def validate_model_parameters(self):
+            super().validate_model_parameters()
+            if self.max_tokens > 4:
+                raise ValueError(f"max_tokens must be at most 4 here, got {self.max_tokens}")
+
+    httpd = hooked(CappedHandler)
+    status, body = raw(httpd, json.dumps({"messages": MESSAGES, "max_tokens": 5}))
+    assert status == 400 and body["error"]["message"] == "max_tokens must be at most 4 here, got 5"
+    status, body = raw(httpd, json.dumps({"messages": MESSAGES, "max_tokens": 4, "temperature": 0}))
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    # The project's own checks still come first (super() runs them).
+    status, body = raw(httpd, json.dumps({"messages": MESSAGES, "temperature": "hot"}))
+    assert status == 400 and "temperature" in body["error"]["message"]
+
+
+def test_get_hooks_answer_health_and_models(hooked):
+    class CatalogueHandler(APIHandler):
+        def handle_models_request(self):
+            self._send_json(200, {"object": "list", "data": [{"id": "catalogue", "object": "model"}]})
+
+        def handle_health_check(self):
+            self._send_json(200, {"status": "ok", "generation": self.response_generator.is_healthy})
+
+    httpd = hooked(CatalogueHandler)
+    assert [m.id for m in client(httpd).models.list()] == ["catalogue"]
+    connection = http.client.HTTPConnection("localhost", httpd.server_port, timeout=60)
+    connection.request("GET", "/health")
+    assert json.loads(connection.getresponse().read()) == {"status": "ok", "generation": True}
+    connection.close()
+
+
+def test_the_default_get_hooks(embedded, model_dirs):
+    assert [m.id for m in client(embedded).models.list()] == ["dense"]
+    connection = http.client.HTTPConnection("localhost", embedded.server_port, timeout=60)
+    connection.request("GET", "/v1/models/elsewhere")
+    response = connection.getresponse()
+    assert response.status == 404 and "no such model" in json.loads(response.read())["error"]["message"]
+    connection.close()
+
+
+def test_a_model_without_a_chat_template_gets_upstreams_convert_chat(model_dirs, tmp_path):
+    plain = tmp_path / "no_template"
+    shutil.copytree(model_dirs["dense"], plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    args = upstream_cli_args(model=str(plain), decode_concurrency=1)
+    response_generator = ResponseGenerator(ModelProvider(args), LRUPromptCache())
+    assert not response_generator.models.default.tokenizer.has_chat_template
+    httpd, thread = serve(response_generator, HTTPServer)
+    try:
+        mapping = {"user": "Q: ", "assistant": "A: ", "stop": "\n"}
+        status, body = raw(httpd, json.dumps({"messages": MESSAGES, "role_mapping": mapping, "temperature": 0}))
+        assert status == 200 and body["object"] == "chat.completion"
+        expected = reference(plain, prompt="Q: Tell me about caches.\nA:")  # convert_chat strips the last space
+        assert body["choices"][0]["message"]["content"] == expected
+        status, body = raw(httpd, json.dumps({"messages": MESSAGES, "role_mapping": {"user": 3}}))
+        assert status == 400 and "role_mapping" in body["error"]["message"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+        response_generator.stop_and_join()

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 from server_harness import write_server_models, start_server
@@ -345,7 +346,17 @@ def test_idle_connections_neither_pile_up_threads_nor_memory(dense):
     assert_serves(dense)
 
 
-class _HeldProvider:
+class _FakeProvider:
+    """What the handler asks a provider before make_job: which model serves the
+    request (the default), and whether its tokenizer renders chats."""
+
+    default = types.SimpleNamespace(tokenizer=types.SimpleNamespace(has_chat_template=True))
+
+    def resolve(self, request):
+        return None
+
+
+class _HeldProvider(_FakeProvider):
     """Holds each request in make_job (its connection is being served) until released."""
 
     model_id = "held"
@@ -613,7 +624,7 @@ def test_help_shows_defaults():
         assert re.search(r"\(default: ([^)]*)\)", entry).group(1) == default, flag
 
 
-class _BrokenProvider:
+class _BrokenProvider(_FakeProvider):
     """Fails in a way no request validation foresees."""
 
     model_id = "broken"
@@ -636,7 +647,7 @@ def test_unexpected_handler_failures_are_500_json_and_the_server_lives_on():
             connection.close()
 
 
-class _JobProvider:
+class _JobProvider(_FakeProvider):
     model_id = "jobs"
     names = {"jobs"}
 
