@@ -9,6 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import TINY_CONFIGS, write_checkpoint  # noqa: E402
+from tokenizer_fixture import bpe, bpe_dir, spm, spm_dir  # noqa: E402, F401  (tokenizer tests' fixtures)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -3,13 +3,17 @@
 ``write_tokenizer`` writes a GPT-2 style byte-level BPE tokenizer (the kind the
 tiny test models use); ``write_spm_style_tokenizer`` writes a Llama style one
 (SentencePiece pieces with ``▁`` for spaces and ``<0xNN>`` byte fallback).
-Both train on the fixed corpus below and are deterministic.
+Both train on the fixed corpus below and are deterministic. The pytest fixtures at
+the end (``bpe_dir``, ``spm_dir``, ``bpe``, ``spm``) and the streaming helpers serve
+the tokenizer tests; a test module imports the fixtures it uses.
 """
 
 import json
+import shutil
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -243,3 +247,87 @@ def write_spm_style_tokenizer(
             "added_tokens_decoder": _added_tokens_decoder(tokenizer),
         },
     )
+
+
+# ---------------------------------------------------------------------------
+# Fixtures and helpers of the tokenizer tests
+# ---------------------------------------------------------------------------
+
+REPLACEMENT = "\ufffd"
+
+TEXTS = [
+    "Hello world, plain ASCII.",
+    "naïve café crème brûlée",
+    "日本語のテキスト 中文 한국어",  # Korean is not in the corpus: raw bytes
+    "emoji 😀🎉🦀 and flags 🇫🇷 ok",
+    "Ωμέγα and Привет\nnext line\n\n  indented code()\n",
+    "<|im_start|>user\nhi 😀<|im_end|>\n",
+    " leading space and trailing space ",
+    CORPUS[13] + "\n" + CORPUS[14] + "\n" + CORPUS[15],
+]
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("bpe")
+    write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def spm_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("spm")
+    write_spm_style_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def bpe(bpe_dir):
+    from mlx_lm.tokenizer_utils import load
+
+    return load(bpe_dir)
+
+
+@pytest.fixture(scope="session")
+def spm(spm_dir):
+    from mlx_lm.tokenizer_utils import load
+
+    return load(spm_dir)
+
+
+def stream(detokenizer, ids):
+    """Feed ``ids`` one at a time; return (segments, texts after each token)."""
+    detokenizer.reset()
+    segments, texts = [], []
+    for token_id in ids:
+        detokenizer.add_token(token_id)
+        texts.append(detokenizer.text)
+        segments.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    segments.append(detokenizer.last_segment)
+    return segments, texts
+
+
+def assert_streams_exactly(detokenizer, tokenizer, text):
+    """Streaming ``text``'s ids gives ``tokenizer.decode`` of them, and never shows a
+    partial character (or a U+FFFD standing in for one) on the way."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = tokenizer.decode(ids)
+    segments, texts = stream(detokenizer, ids)
+    assert detokenizer.text == expected
+    assert "".join(segments) == expected
+    assert detokenizer.tokens == ids
+    for partial_text in texts:
+        assert expected.startswith(partial_text)
+        assert REPLACEMENT not in partial_text
+    for segment in segments:
+        assert REPLACEMENT not in segment
+
+
+def rewrite_decoder(source: Path, target: Path, decoder) -> None:
+    """A copy of the tokenizer in ``source`` with another tokenizer.json decoder."""
+    shutil.copytree(source, target)
+    path = target / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["decoder"] = decoder
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
