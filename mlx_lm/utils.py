@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from . import compressed_tensors, tokenizer_utils
+from . import compressed_tensors, quant_schemes, tokenizer_utils
 from .config_files import decode_tagged_floats, encode_tagged_floats, load_config, save_config  # noqa: F401
 from .hub import DEFAULT_ALLOW_PATTERNS, get_model_path, hf_repo_to_path  # noqa: F401
 from .quantization import (  # noqa: F401
@@ -222,19 +222,22 @@ def load_model(
     is described by `config["quantization"]`; exactly the layers whose `.scales` the
     weights hold become quantized layers, before the weights are checked. A
     compressed-tensors checkpoint (llm-compressor's pack-quantized integers) is first
-    repacked into that layout (compressed_tensors.py); the config returned says so. `dtype`
+    repacked into that layout (compressed_tensors.py), as are AWQ, GPTQ, BitNet, NVFP4, MXFP8
+    and FP8 (ue8m0) checkpoints (quant_schemes.py); the config returned says so. `dtype`
     casts every floating point parameter (None keeps the checkpoint's; see
     `compute_dtype` for what `load` picks)."""
     config = load_config(model_path)
     config.update(model_config or {})
     _check_no_model_code(config, model_path, trust_remote_code)
     model_class, args_class = get_model_classes(config)
+    # Before ModelArgs read the config: they then see an MLX-quantized checkpoint.
+    weights, config = quant_schemes.to_mlx(load_weights_files(model_path), config, model_path)
     model = model_class(args_class.from_dict(config))
-    weights = load_weights_files(model_path)
     if compressed_tensors.quantization_config_of(config) is not None:  # llm-compressor's packed integers
         weights, config = compressed_tensors.to_mlx(weights, config)
     weights = model.sanitize(weights)
     quantize_from_weights(model, weights, read_quantization(config))
+    quant_schemes.add_scheme_layers(model, weights)  # GPTQ act-order, NVFP4 global scales
     if strict:
         check_weights(model, weights)
     model.eval()
