@@ -275,6 +275,15 @@ def test_arrays_cache_rows_extract_as_copies():
         states.extract(3)
 
 
+def test_arrays_cache_advance_as_upstreams_layers_call_it():
+    """Upstream's recurrent layers call cache.advance(L) after each forward: here no
+    padding is held, so the state and its (absent) mask stay as they are."""
+    states = ArraysCache(1)
+    states[0] = mx.ones((1, 3))
+    states.advance(5)
+    assert states[0].tolist() == [[1, 1, 1]] and states.make_mask(2) is None
+
+
 # The batched classes: both homes, and what they refuse
 
 

@@ -19,6 +19,7 @@ from mlx_lm.generate import main as generate_main
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
+    ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
@@ -152,6 +153,52 @@ def test_concatenate_cache_file_is_upstreams_layout(tmp_path):
     # Only the empty entry's two None leaves are noted as such.
     assert sorted(m for key, m in metadata.items() if re.fullmatch(r"2\.\d+\.0", key)) == ["1.0", "1.1"]
     assert load_prompt_cache(str(tmp_path / "ours.safetensors"))[1].empty()
+
+
+def attends_alike(cache_a, cache_b, steps, seed):
+    """The next `steps` single tokens attend the same through both caches, each with its own mask."""
+    for step in range(steps):
+        (k, v), q = kv(1, seed + step), kv(1, seed + 100 + step)[0]
+        got = []
+        for c in (cache_a, cache_b):
+            mask = c.make_mask(1)
+            got.append(mx.fast.scaled_dot_product_attention(q, *c.update_and_fetch(k, v), scale=1.0, mask=mask))
+        assert mx.allclose(got[0], got[1], atol=1e-5), step
+
+
+def test_chunked_cache_file_is_upstreams_layout(tmp_path):
+    """Upstream holds a ChunkedKVCache's rows in order from start_position (keys, values,
+    offset, chunk_size, start_position); this package's ring is written so and read back."""
+    cache = filled(ChunkedKVCache(4), (5, 0), (1, 1), (1, 2), (1, 3))  # the ring has wrapped in place
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
+    tensors, metadata = mx.load(str(tmp_path / "c.safetensors"), return_metadata=True)
+    assert metadata["1.0"] == "ChunkedKVCache" and sorted(tensors) == [f"0.{i}" for i in range(5)]
+    assert [tensors[f"0.{i}"].item() for i in (2, 3, 4)] == [8, 4, 4]  # offset, chunk_size, start_position
+    assert all(mx.array_equal(tensors[f"0.{i}"], rows) for i, rows in enumerate(cache.held_in_order()))
+    (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert type(loaded) is ChunkedKVCache and (loaded.offset, loaded.chunk_size) == (8, 4)
+    attends_alike(loaded, cache, 6, seed=20)  # across the next chunk boundary
+
+
+@pytest.mark.parametrize("offset,start_position", [(11, 7), (3, 0)])
+def test_hand_written_chunked_file_of_upstreams_layout_loads(tmp_path, offset, start_position):
+    k, v = kv(256, 0)  # upstream's buffer: 256 rows, positions start_position.. from row 0
+    tensors = {"0.0": k, "0.1": v, "0.2": mx.array(offset), "0.3": mx.array(4), "0.4": mx.array(start_position)}
+    kinds = [["0.2", "scalar"], ["0.3", "scalar"], ["0.4", "scalar"]]
+    metadata = {"1.0": "ChunkedKVCache", "2.0": "",
+                **{f"2.{i + 1}.{j}": value for i, kind in enumerate(kinds) for j, value in enumerate(kind)}}
+    mx.save_safetensors(str(tmp_path / "up.safetensors"), tensors, metadata)
+    (loaded,) = load_prompt_cache(str(tmp_path / "up.safetensors"))
+    fed, valid = ChunkedKVCache(4), offset - start_position
+    fed.update_and_fetch(*(mx.concatenate([gone, held[..., :valid, :]], axis=2)
+                           for gone, held in zip(kv(start_position, 5), (k, v))))
+    assert loaded.offset == offset
+    assert all(mx.array_equal(a, b) for a, b in zip(loaded.held_in_order(), fed.held_in_order()))
+    attends_alike(loaded, fed, 6, seed=30)
+    tensors["0.4"] = mx.array(offset - 1)  # one row left: the chunk needs more
+    mx.save_safetensors(str(tmp_path / "bad.safetensors"), tensors, metadata)
+    with pytest.raises(ValueError, match=f"needs its newest {min(offset, 4)} rows; from position {offset - 1} it has 1"):
+        load_prompt_cache(str(tmp_path / "bad.safetensors"))
 
 
 def test_hand_written_file_of_upstreams_earlier_layout_loads(tmp_path):

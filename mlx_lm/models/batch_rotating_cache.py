@@ -54,7 +54,7 @@ class BatchRotatingKVCache(_AlignedKV):
         batch = cls(max_size, [])
         for c in caches:
             held = c.size()
-            rows = [c._temporal_order(c.keys), c._temporal_order(c.values)] if held else None
+            rows = list(c.held_in_order()) if held else None
             batch.extend(cls._from_rows(rows, c.offset - held, c.offset, max_size=max_size))
         return batch
 

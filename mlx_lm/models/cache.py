@@ -136,6 +136,10 @@ class ArraysCache(_BaseCache):
     def finalize(self) -> None:
         """Upstream's step after a padded prefill: nothing was padded (prepare)."""
 
+    def advance(self, num_tokens: int) -> None:
+        """Upstream's layers call it after consuming num_tokens, to count the padding
+        still to mask down; no padding is ever taken here (__init__), so none is left."""
+
     @property
     def speculating(self) -> bool:
         """Whether layers should call record_rollback for their forwards."""
@@ -504,11 +508,14 @@ _EMPTY = mx.array([], dtype=mx.float32)
 
 def _file_state(entry: _BaseCache):
     """What a file stores for `entry`: its state, an ArraysCache as upstream does since
-    #1632 ([arrays], left_padding, lengths)."""
+    #1632 ([arrays], left_padding, lengths), a ChunkedKVCache's rows in order (upstream's
+    holds them so, not as a ring)."""
     if isinstance(entry, CacheList):
         return [_file_state(c) for c in entry.caches]
     if isinstance(entry, ArraysCache):
         return [[_EMPTY if a is None else a for a in entry.state], _EMPTY, _EMPTY]
+    if isinstance(entry, ChunkedKVCache) and not entry.empty():
+        return entry.held_in_order()
     return entry.state
 
 

@@ -81,6 +81,10 @@ def to_current_state(class_name: str, state, meta_state):
         keep, max_size, offset, idx = _ints(meta_state)
         keys, values = state if state else (None, None)
         return [keys, values, offset, keep, max_size, idx]
+    if class_name == "ChunkedKVCache":  # state: the rows held, in order (cache.py's _file_state)
+        _, chunk_size, offset, _ = _ints(meta_state)
+        keys, values = state if state else (None, None)
+        return [keys, values, offset, chunk_size, offset - (0 if keys is None else keys.shape[2])]
     if class_name == "ArraysCache":
         arrays = state[0] if state and isinstance(state[0], list) else state
         return [[None if a.size == 0 else a for a in arrays], None, None]
@@ -107,6 +111,8 @@ def from_current_state(class_name: str, state) -> Tuple[Any, Any]:
     if class_name == "RotatingKVCache":
         keys, values, offset, keep, max_size, idx = state
         return ([] if keys is None else [keys, values]), tuple(map(str, (keep, max_size, offset, idx)))
+    if class_name == "ChunkedKVCache":
+        return _newest_chunk_rows(*state)
     if class_name == "ArraysCache":
         arrays, left_padding, lengths = state
         if left_padding is not None or lengths is not None:
@@ -117,6 +123,23 @@ def from_current_state(class_name: str, state) -> Tuple[Any, Any]:
         return [c[0] for c in children], ([name for _, name in state], [c[1] for c in children])
     array_state, meta_state = state
     return array_state, meta_state
+
+
+def _newest_chunk_rows(keys, values, offset: int, chunk_size: int, start_position: int):
+    """An upstream ChunkedKVCache (rows of positions start_position.. from row 0 of a
+    buffer that may be longer) as the state and meta state of this package's: a ring of
+    the chunk_size newest rows, here in order, the write index past them."""
+    held = min(offset, chunk_size)
+    meta = tuple(map(str, (0, chunk_size, offset, held)))
+    if keys is None:
+        if offset:
+            raise ValueError(f"a ChunkedKVCache at offset {offset} holds no keys")
+        return [], meta
+    valid = offset - start_position
+    if not held <= valid <= keys.shape[2]:
+        raise ValueError(f"a ChunkedKVCache at offset {offset} (chunks of {chunk_size}) needs its newest {held} "
+                         f"rows; from position {start_position} it has {valid}, in a buffer of {keys.shape[2]}")
+    return [keys[..., valid - held : valid, :], values[..., valid - held : valid, :]], meta
 
 
 def _encode_leaf(key: str, leaf, kinds: list):

@@ -90,6 +90,10 @@ class RotatingKVCache(_BaseCache):
             [buffer[..., : self.keep, :], buffer[..., start:n, :], buffer[..., self.keep : start, :]], axis=2
         )
 
+    def held_in_order(self) -> Tuple[mx.array, mx.array]:
+        """The held keys and values ordered by position, sinks first (non-empty cache)."""
+        return self._temporal_order(self.keys), self._temporal_order(self.values)
+
     def _ring_order(self, rows: mx.array) -> mx.array:
         """Inverse of _temporal_order: held rows in temporal order, laid out as the ring
         holds them at the current offset and write index."""
