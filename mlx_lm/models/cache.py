@@ -9,6 +9,11 @@ Speculative decoding needs every entry to give back the last few tokens. KV cach
 simply forget rows. A sliding window that has wrapped, and a recurrent state, cannot:
 between `start_speculation()` and `stop_speculation()` they keep a `RollbackLog` of
 the forwards they took part in, and `trim(n)` rewinds through it exactly.
+
+Upstream's other names live here too, some re-exported: QuantizedKVCache
+(quantized_cache.py), RotatingKVCache and ChunkedKVCache (rotating_cache.py), the
+batched classes (batch_cache.py), PromptTrie (prompt_trie.py), TokenBuffer,
+create_attention_mask and dynamic_roll.
 """
 
 from typing import Any, Callable, List, Optional, Sequence

@@ -1,6 +1,7 @@
 """What every cache class shares (models/cache.py has the classes): the protocol
-(`_BaseCache`), append-only buffer growth, the rollback log of a speculating cache, and
-the registry of the batched classes (filled by models/batch_cache.py)."""
+(`_BaseCache`), append-only buffer growth and masks, the rollback log of a speculating
+cache, the registry of the batched classes (filled by models/batch_cache.py), and
+upstream's array helper `dynamic_roll`."""
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
