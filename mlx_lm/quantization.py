@@ -8,6 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
 # ---------------------------------------------------------------------------
 # Quantization: the config block, loading quantized checkpoints, making them.
 #
@@ -30,10 +32,16 @@ _BLOCK_PARAMS = ("group_size", "bits", "mode")
 
 
 def quant_params(
-    group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine", *, where: str
+    group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine",
+    global_scale: bool = False, *, where: str,
 ) -> Dict[str, Any]:
-    """Complete, validated {"group_size", "bits", "mode"}; a value left None takes the
-    mode's default. `where` names the source in the error message."""
+    """Complete, validated {"group_size", "bits", "mode"} (and "global_scale": True, for
+    nvfp4 experts with a tensor scale each); a value left None takes the mode's default.
+    `where` names the source in the error message."""
+    if global_scale not in (True, False):
+        raise ValueError(f"{where}: global_scale must be true or false, got {global_scale!r}")
+    if global_scale and mode != "nvfp4":
+        raise ValueError(f"{where}: global_scale is nvfp4's per-expert tensor scale; mode {mode!r} has none")
     if mode not in QUANT_MODES:
         raise ValueError(f"{where}: unsupported quantization mode {mode!r}; choose from {', '.join(QUANT_MODES)}")
     group_sizes, bit_widths = QUANT_MODES[mode]
@@ -43,7 +51,8 @@ def quant_params(
         raise ValueError(f"{where}: {mode} quantization supports bits {sorted(bit_widths)}, got {bits!r}")
     if type(group_size) is not int or group_size not in group_sizes:
         raise ValueError(f"{where}: {mode} quantization supports group sizes {sorted(group_sizes)}, got {group_size!r}")
-    return {"group_size": group_size, "bits": bits, "mode": mode}
+    params = {"group_size": group_size, "bits": bits, "mode": mode}
+    return dict(params, global_scale=True) if global_scale else params
 
 
 @dataclass
@@ -81,7 +90,8 @@ def read_quantization(config: Dict[str, Any]) -> Optional[QuantizationSpec]:
             overrides[path] = default
         elif isinstance(value, dict):
             overrides[path] = quant_params(
-                value.get("group_size"), value.get("bits"), value.get("mode", "affine"), where=f"{where}[{path!r}]"
+                value.get("group_size"), value.get("bits"), value.get("mode", "affine"),
+                value.get("global_scale", False), where=f"{where}[{path!r}]",
             )
         else:
             raise ValueError(
@@ -126,6 +136,8 @@ def _check_quantized_tensors(path: str, module: nn.Module, weights: Dict[str, mx
         raise ValueError(
             f"The weights hold {path}.scales but {path} is a {type(module).__name__}, which has no quantized form"
         )
+    if params.get("global_scale") and not isinstance(module, SwitchLinear):
+        raise ValueError(f"{path}: a per-expert global_scale is for expert layers; {path} is a {type(module).__name__}")
     width, group_size, bits = module.weight.shape[-1], params["group_size"], params["bits"]
     if width % group_size:
         raise ValueError(
@@ -174,8 +186,11 @@ def quantize_from_weights(model: nn.Module, weights: Dict[str, mx.array], spec: 
     def predicate(path: str, module: nn.Module) -> Union[bool, Dict[str, Any]]:
         if path not in plan:
             return False
-        _check_quantized_tensors(path, module, weights, plan[path])
-        return dict(plan[path])
+        params = dict(plan[path])
+        if isinstance(module, SwitchLinear) and f"{path}.global_scale" in weights:
+            params["global_scale"] = True  # as upstream: the tensor says so where the config may not
+        _check_quantized_tensors(path, module, weights, params)
+        return params
 
     nn.quantize(model, class_predicate=predicate)
 
@@ -195,11 +210,13 @@ QuantPredicate = Callable[[str, nn.Module], Union[bool, Dict[str, Any]]]
 def quantized_layers(model: nn.Module) -> Dict[str, Dict[str, Any]]:
     """{path: params} of the model's quantized layers. A quantized layer is one holding
     `scales`; MLX's and ours record their group_size, bits and mode as attributes."""
-    return {
-        path: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
-        for path, m in model.named_modules()
-        if "scales" in m
-    }
+    layers = {}
+    for path, m in model.named_modules():
+        if "scales" in m:
+            layers[path] = {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+            if isinstance(m, QuantizedSwitchLinear) and "global_scale" in m:
+                layers[path]["global_scale"] = True
+    return layers
 
 
 def quantize_model(
@@ -208,6 +225,7 @@ def quantize_model(
     group_size: Optional[int] = None,
     bits: Optional[int] = None,
     mode: str = "affine",
+    global_scale: bool = False,
     quant_predicate: Optional[QuantPredicate] = None,
 ) -> Tuple[nn.Module, Dict[str, Any]]:
     """Quantize the model in place; returns (model, config with the quantization block).
@@ -215,8 +233,12 @@ def quantize_model(
     Layers are chosen by `quant_predicate`, else the model's own `quant_predicate`, else
     all. As upstream, a layer whose input width the group size does not divide stays in
     float. Every layer quantized differently from the default, or kept float by the
-    predicate, is recorded in the block, so loading rebuilds exactly these layers."""
+    predicate, is recorded in the block, so loading rebuilds exactly these layers.
+    `global_scale` (upstream's; nvfp4): the expert layers (SwitchLinear) get one float32
+    tensor scale per expert, recorded per layer in the block."""
     default = quant_params(group_size, bits, mode, where="quantize_model")
+    if global_scale:
+        _check_global_scale_applies(model, mode)
     if quant_predicate is None and isinstance(model, HasQuantPredicate):
         quant_predicate = model.quant_predicate
     kept_float: List[str] = []
@@ -228,15 +250,10 @@ def quantize_model(
         if choice is False:
             kept_float.append(path)
             return False
-        params = default
-        if isinstance(choice, dict):
-            params = quant_params(
-                choice.get("group_size"), choice.get("bits"), choice.get("mode", "affine"),
-                where=f"quant_predicate({path!r})",
-            )
+        params = _layer_params(path, module, choice, default, global_scale)
         if module.weight.shape[-1] % params["group_size"]:
             return False
-        return dict(params)
+        return params
 
     nn.quantize(model, class_predicate=choose)
     layers = quantized_layers(model)
@@ -253,6 +270,29 @@ def quantize_model(
     config["quantization"] = block
     config["quantization_config"] = dict(block)
     return model, config
+
+
+def _layer_params(path: str, module: nn.Module, choice: Union[bool, Dict[str, Any]], default: Dict[str, Any],
+                  global_scale: bool) -> Dict[str, Any]:
+    """The parameters quantize_model gives the layer at `path`, validated: the default,
+    or the predicate's `choice`; expert layers take the tensor scale `global_scale` asks for."""
+    params = dict(default) if not isinstance(choice, dict) else dict(choice)
+    where = f"quant_predicate({path!r})" if isinstance(choice, dict) else f"quantize_model at {path!r}"
+    wants_scale = params.get("global_scale", False) or (global_scale and isinstance(module, SwitchLinear))
+    if wants_scale and not isinstance(module, SwitchLinear):
+        raise ValueError(f"{where}: a per-expert global_scale is for expert layers; {path} is a {type(module).__name__}")
+    return quant_params(params.get("group_size"), params.get("bits"), params.get("mode", "affine"), wants_scale,
+                        where=where)
+
+
+def _check_global_scale_applies(model: nn.Module, mode: str) -> None:
+    if mode != "nvfp4":
+        raise ValueError(f"quantize_model: global_scale is nvfp4's per-expert tensor scale; mode {mode!r} has none")
+    if not any(isinstance(m, SwitchLinear) for _, m in model.named_modules()):
+        raise ValueError(
+            f"quantize_model: global_scale applies to expert layers (SwitchLinear) and {type(model).__name__} has "
+            "none; leave it out"
+        )
 
 
 def get_total_parameters(model: nn.Module) -> int:
@@ -275,11 +315,15 @@ def compute_bits_per_weight(model: nn.Module) -> float:
 
 def _float_layer(module: nn.Module) -> nn.Module:
     """The float layer a quantized one approximates (its dequantized weight)."""
-    from .models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-
-    weight = mx.dequantize(
-        module.weight, module.scales, module.get("biases"), module.group_size, module.bits, mode=module.mode
-    )
+    if isinstance(module, QuantizedSwitchLinear) and "global_scale" in module:  # one tensor scale an expert
+        weight = mx.stack([
+            mx.dequantize(w, s, None, module.group_size, module.bits, mode=module.mode, global_scale=g)
+            for w, s, g in zip(module.weight, module.scales, module.global_scale)
+        ])
+    else:
+        weight = mx.dequantize(
+            module.weight, module.scales, module.get("biases"), module.group_size, module.bits, mode=module.mode
+        )
     if isinstance(module, nn.QuantizedEmbedding):
         layer = nn.Embedding(*weight.shape)
     elif isinstance(module, nn.QuantizedLinear):

@@ -13,6 +13,7 @@ from tokenizer_fixture import write_tokenizer
 from mlx_lm.convert import convert
 from mlx_lm.quantization import (
     QUANT_RECIPES,
+    dequantize_model,
     is_sensitive_layer,
     mixed_quant_predicate_builder,
     quantize_model,
@@ -114,3 +115,98 @@ def test_recipe_keeps_the_models_own_choices(tmp_path):
     assert routers and all(params["bits"] == 8 for params in routers)
     assert layers["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 3, "mode": "affine"}
     assert sorted(QUANT_RECIPES) == ["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"]
+
+
+def moe_checkpoint(tmp_path):
+    source = shutil.copytree(FIXTURES / "qwen3_moe_tf4", tmp_path / "hf")
+    write_tokenizer(source, vocab_size=512)  # the smallest it writes; the model reads ids < 256 only
+    return source
+
+
+def test_global_scale_gives_each_expert_its_tensor_scale(tmp_path):
+    from mlx_lm.models.switch_layers import NVFP4_GLOBAL_SCALE_DIVISOR
+
+    model, config = load_model(moe_checkpoint(tmp_path))
+    float_weight = mx.array(model.model.layers[0].mlp.switch_mlp.down_proj.weight)
+    _, config = quantize_model(model, config, mode="nvfp4", global_scale=True)
+    experts = model.model.layers[0].mlp.switch_mlp.down_proj
+    assert experts.global_scale.dtype == mx.float32
+    assert mx.array_equal(experts.global_scale, mx.max(mx.abs(float_weight), axis=(1, 2)))
+    path = "model.layers.0.mlp.switch_mlp.down_proj"
+    assert config["quantization"][path] == {"group_size": 16, "bits": 4, "mode": "nvfp4", "global_scale": True}
+    assert "global_scale" not in quantized_layers(model)["model.layers.0.self_attn.q_proj"]
+    # Each expert decodes as mx.dequantize with its scale (g / (448 * 6) times the scales).
+    for e in range(float_weight.shape[0]):
+        want = mx.dequantize(experts.weight[e], experts.scales[e], None, 16, 4, mode="nvfp4",
+                             global_scale=experts.global_scale[e])
+        got = mx.dequantize(experts.weight[e], experts.scales[e], None, 16, 4, mode="nvfp4")
+        assert mx.allclose(got * experts.global_scale[e] / NVFP4_GLOBAL_SCALE_DIVISOR, want, rtol=1e-6, atol=0)
+
+
+def test_global_scale_round_trips_through_save_load_and_dequantize(tmp_path):
+    from mlx_lm.saving import save
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    source = moe_checkpoint(tmp_path)
+    float_model, _ = load_model(source)
+    model, config = load_model(source)
+    quantize_model(model, config, mode="nvfp4", global_scale=True)
+    tokens = TOKENS % 256
+    logits = model(tokens)
+    float_logits = float_model(tokens)
+    # nvfp4 on random weights: the error a tensor scale leaves is no larger than without one.
+    plain, _ = load_model(source)
+    quantize_model(plain, config, mode="nvfp4")
+    error = mx.linalg.norm(logits - float_logits) / mx.linalg.norm(float_logits)
+    assert error.item() < 1.05 * (mx.linalg.norm(plain(tokens) - float_logits) / mx.linalg.norm(float_logits)).item()
+    _, config = quantize_model(*load_model(source), mode="nvfp4", global_scale=True)
+    save(tmp_path / "q", source, model, load_tokenizer(source), config, donate_model=False)
+    reloaded, _ = load_model(tmp_path / "q")
+    assert mx.array_equal(reloaded(tokens), logits)
+    experts = reloaded.model.layers[0].mlp.switch_mlp.gate_proj
+    want = mx.stack([mx.dequantize(experts.weight[e], experts.scales[e], None, 16, 4, mode="nvfp4",
+                                   global_scale=experts.global_scale[e]) for e in range(experts.weight.shape[0])])
+    dequantize_model(reloaded)
+    assert mx.array_equal(reloaded.model.layers[0].mlp.switch_mlp.gate_proj.weight, want)
+
+
+def test_global_scale_is_read_from_the_tensors_when_the_config_omits_it(tmp_path):
+    import json
+
+    from mlx_lm.saving import save
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    source = moe_checkpoint(tmp_path)
+    model, config = load_model(source)
+    _, config = quantize_model(model, config, mode="nvfp4", global_scale=True)
+    tokens = TOKENS % 256
+    logits = model(tokens)
+    save(tmp_path / "q", source, model, load_tokenizer(source), config)
+    written = json.loads((tmp_path / "q" / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):  # the expert entries said global_scale; now they do not
+        written[key] = {p: v for p, v in written[key].items() if not (isinstance(v, dict) and "global_scale" in v)}
+    assert "model.layers.0.mlp.switch_mlp.up_proj" not in written["quantization"]
+    (tmp_path / "q" / "config.json").write_text(json.dumps(written))
+    reloaded, _ = load_model(tmp_path / "q")
+    assert "global_scale" in quantized_layers(reloaded)["model.layers.0.mlp.switch_mlp.up_proj"]
+    assert mx.array_equal(reloaded(tokens), logits)
+
+
+def test_global_scale_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="global_scale is nvfp4's per-expert tensor scale; mode 'affine' has none"):
+        quantize_model(tiny_llama(2), {}, global_scale=True)
+    with pytest.raises(ValueError, match="applies to expert layers .SwitchLinear. and Model has none"):
+        quantize_model(tiny_llama(2), {}, mode="nvfp4", global_scale=True)
+    model = tiny_llama(2)
+    with pytest.raises(ValueError, match=r"quant_predicate\('model.embed_tokens'\): a per-expert global_scale is for "
+                                         "expert layers; model.embed_tokens is a Embedding"):
+        quantize_model(model, {}, mode="nvfp4", quant_predicate=lambda p, m: {"mode": "nvfp4", "global_scale": True})
+    assert not quantized_layers(model)  # refused before any layer changed
+    with pytest.raises(ValueError, match="global_scale must be true or false, got 'yes'"):
+        load_model_with_block(tmp_path, {"lm_head": {"mode": "nvfp4", "global_scale": "yes"}})
+
+
+def load_model_with_block(tmp_path, overrides):
+    from mlx_lm.quantization import read_quantization
+
+    return read_quantization({"quantization": dict({"group_size": 16, "bits": 4, "mode": "nvfp4"}, **overrides)})

@@ -80,30 +80,60 @@ class SwitchLinear(nn.Module):
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y
 
-    def to_quantized(self, group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine"):
-        return QuantizedSwitchLinear.from_float(self, group_size, bits, mode)
+    def to_quantized(self, group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine",
+                     global_scale: bool = False):
+        return QuantizedSwitchLinear.from_float(self, group_size, bits, mode, global_scale)
+
+
+# NVFP4's tensor-level scale: mx.quantize(global_scale=g) takes a tensor's largest |w| and
+# decodes with g / (448 * 6), E4M3's largest scale times E2M1's largest element.
+NVFP4_GLOBAL_SCALE_DIVISOR = 448 * 6
+
+
+def quantize_experts(weight: mx.array, group_size: int, bits: int, mode: str) -> Tuple[mx.array, mx.array, mx.array]:
+    """(E, out, in) -> (packed, scales, global_scale (E,) float32): nvfp4 with one tensor
+    scale per expert, its largest |w| (upstream's choice); an all-zero expert gets 1."""
+    if mode != "nvfp4":
+        raise ValueError(f"A per-expert global scale is nvfp4's; mode {mode!r} has none")
+    largest = mx.max(mx.abs(weight), axis=(-2, -1)).astype(mx.float32)
+    global_scale = mx.where(largest > 0, largest, 1.0)
+    quantized = [mx.quantize(weight[e], group_size, bits, mode=mode, global_scale=global_scale[e])
+                 for e in range(weight.shape[0])]
+    return mx.stack([q for q, _ in quantized]), mx.stack([s for _, s in quantized]), global_scale
 
 
 class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear quantized; with `global_scale` (nvfp4 only) each expert also holds a
+    float32 tensor scale, applied to its outputs (mx.gather_qmm takes one on the GPU
+    only, and an output scale is the same product everywhere)."""
+
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
-                 group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine"):
+                 group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine",
+                 global_scale: bool = False):
         super().__init__()
+        if global_scale and mode != "nvfp4":
+            raise ValueError(f"A per-expert global scale is nvfp4's; mode {mode!r} has none")
         self.group_size, self.bits, self.mode = group_size, bits, mode
         weight = mx.zeros((num_experts, output_dims, input_dims))
         self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
         if biases and biases[0] is not None:
             self.biases = biases[0]
+        if global_scale:
+            self.global_scale = mx.ones((num_experts,), mx.float32)
         if bias:
             self.bias = mx.zeros((num_experts, output_dims))
         self.freeze()
 
     @classmethod
-    def from_float(cls, layer: SwitchLinear, group_size: int, bits: int, mode: str):
+    def from_float(cls, layer: SwitchLinear, group_size: int, bits: int, mode: str, global_scale: bool = False):
         num_experts, output_dims, input_dims = layer.weight.shape
-        q = cls(input_dims, output_dims, num_experts, "bias" in layer, group_size, bits, mode)
-        q.weight, q.scales, *biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
-        if biases and biases[0] is not None:
-            q.biases = biases[0]
+        q = cls(input_dims, output_dims, num_experts, "bias" in layer, group_size, bits, mode, global_scale)
+        if global_scale:
+            q.weight, q.scales, q.global_scale = quantize_experts(layer.weight, q.group_size, q.bits, mode)
+        else:
+            q.weight, q.scales, *biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
+            if biases and biases[0] is not None:
+                q.biases = biases[0]
         if "bias" in layer:
             q.bias = layer.bias
         return q
@@ -113,6 +143,9 @@ class QuantizedSwitchLinear(nn.Module):
             x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
             group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=sorted_indices,
         )
+        if "global_scale" in self:
+            decode = (self.global_scale / NVFP4_GLOBAL_SCALE_DIVISOR)[indices]
+            y = (y.astype(mx.float32) * mx.expand_dims(decode, (-2, -1))).astype(y.dtype)
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y
