@@ -1,4 +1,4 @@
-"""gated_delta.py: both paths against a float64 NumPy reference of the recurrence, and
+"""gated_delta.py and kda.py: both paths against a float64 NumPy reference of the recurrence, and
 against each other across lengths, head ratios, chunk boundaries and carried state."""
 
 import math
@@ -14,13 +14,14 @@ from mlx_lm.models.gated_delta import (
     compute_beta,
     compute_g,
     gated_delta_chunked,
+    gated_delta_recorded,
     gated_delta_recurrence,
     gated_delta_replay,
     gated_delta_sequential,
     gated_delta_update,
     unit_lower_inverse,
 )
-from mlx_lm.models.gated_delta import (
+from mlx_lm.models.kda import (
     KDA_CHUNK_SIZE,
     KDA_CHUNKS_PER_BLOCK,
     compute_kda_g,
@@ -215,6 +216,32 @@ def test_replay_equals_reference_final_state(T):
 
 
 # --- the negative-eigenvalue variant (OLMo Hybrid): beta in (0, 2) --------------------------
+
+
+def test_recorded_short_forward_rewinds_to_the_state_feeding_gives():
+    """A verify-length forward keeps each step's state: rewinding to m is bit for bit
+    feeding only those m tokens, for one m or a different m per row."""
+    q, k, v, g, beta, state = make_inputs(B=3, T=5)
+    y, final, state_after = gated_delta_recorded(q, k, v, g, beta, state)
+    plain_y, plain_final = gated_delta_recurrence(q, k, v, g, beta, state)
+    assert mx.array_equal(y, plain_y) and mx.array_equal(final, plain_final)
+    fed = [state] + [gated_delta_recurrence(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)[1]
+                     for m in range(1, 6)]
+    for m in range(6):
+        assert mx.array_equal(state_after(m), fed[m])
+    per_row = state_after([4, 0, 2])
+    for b, m in enumerate([4, 0, 2]):
+        assert mx.array_equal(per_row[b], fed[m][b])
+
+
+def test_recorded_long_forward_rewinds_by_replay():
+    """A prefill-length forward (chunked) keeps no per-step states: it replays."""
+    T = CHUNKED_MIN_TOKENS + 3
+    q, k, v, g, beta, state = make_inputs(B=2, T=T)
+    _, final, state_after = gated_delta_recorded(q, k, v, g, beta, state)
+    want = reference(*[x[:, :7] for x in (q, k, v, g, beta)], state)[1]
+    assert relative_error(state_after(7), want) < FP32_TOLERANCE
+    assert relative_error(state_after([7, T])[1], final[1]) < FP32_TOLERANCE
 
 
 def test_compute_beta_doubles_the_sigmoid_for_negative_eigenvalues():

@@ -31,7 +31,8 @@ References: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (arXiv 2412.06464);
 Yang et al., "Parallelizing Linear Transformers with the Delta Rule" (arXiv 2406.06484).
 """
 
-from typing import Optional, Sequence, Tuple
+from functools import partial
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -111,49 +112,70 @@ def _check_shapes(q, k, v, g, beta, state, per_channel: bool = False):
 
 
 @mx.compile
-def _step(state, q, k, v, g, beta):
-    """One token. state (B, Hk, r, Dv, Dk); q, k (B, Hk, Dk); v (B, Hk, r, Dv);
-    g, beta (B, Hk, r) -> y (B, Hk, r, Dv), new state."""
-    kq = mx.stack([k, q], axis=-2)[:, :, None]  # (B, Hk, 1, 2, Dk)
+def _step(state_t, kq, k_column, k_dot_q, v, g, beta):
+    """One token, every array with a leading axis of 1 (a Split's output) and laid out
+    as it is read, so that the step is a matmul, a split and three fused updates (on
+    the CPU a decode or verify step is bounded by how many operations it dispatches).
+    state_t (1, B, Hk, r, Dk, Dv): S transposed; kq (1, B, Hk, 1, 2, Dk): k and q
+    stacked; k_column (1, B, Hk, 1, Dk, 1); k_dot_q (1, B, Hk, 1, 1, 1); v (1, B, Hk,
+    r, 1, Dv); g, beta (1, B, Hk, r, 1, 1) -> y (1, B, Hk, r, 1, Dv), new state_t."""
     # S k and S q of the *old* state in one matmul (rows k^T S^T, q^T S^T: on CPU BLAS the
     # row-vector form is the fast one); the decay is applied afterwards.
-    reads = kq @ state.swapaxes(-1, -2)  # (B, Hk, r, 2, Dv)
-    g, beta = g[..., None], beta[..., None]  # (B, Hk, r, 1)
-    delta = beta * (v - g * reads[..., 0, :])  # (B, Hk, r, Dv)
+    read_k, read_q = mx.split(kq @ state_t, 2, axis=-2)  # (1, B, Hk, r, 1, Dv) each
+    delta = beta * (v - g * read_k)
     # y = (g S + delta k^T) q = g (S q) + delta (k . q)
-    y = g * reads[..., 1, :] + delta * (k * q).sum(-1)[:, :, None, None]
-    # One fused pass rewrites the state (mx.compile fuses the elementwise update).
-    state = g[..., None] * state + delta[..., None] * k[:, :, None, None, :]
-    return y, state
+    y = g * read_q + delta * k_dot_q
+    # S^T <- g S^T + k delta^T, one fused pass.
+    return y, g * state_t + k_column * delta
 
 
 def gated_delta_sequential(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    states_after: Optional[List[mx.array]] = None,
 ) -> Tuple[mx.array, mx.array]:
     """The recurrence one token at a time.
 
     q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk) fp32
-    -> y (B, T, Hv, Dv) fp32, state (B, Hv, Dv, Dk) fp32.
+    -> y (B, T, Hv, Dv) fp32, state (B, Hv, Dv, Dk) fp32 (a transposed view of what the
+    steps computed). `states_after`, if given, gets the state after each step (computed
+    anyway: no extra work).
+
+    The inputs are laid out token-major once, so each step's are one Split's outputs:
+    a step costs a handful of operations instead of a slice, squeeze and expand per
+    input.
     """
-    return _step_through(_step, q, k, v, g, beta, state)
-
-
-def _step_through(step, q, k, v, g, beta, state):
-    """Run `step` (_step or _kda_step) over the T tokens: value heads grouped by key
-    head (B, Hk, r, ...), g with or without its channel axis."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     r = Hv // Hk
     q, k, v = (x.astype(mx.float32) for x in (q, k, v))
-    v = v.reshape(B, T, Hk, r, Dv)
-    g, beta = g.reshape(B, T, Hk, r, *g.shape[3:]), beta.reshape(B, T, Hk, r)
-    S = state.reshape(B, Hk, r, Dv, Dk)
+
+    def token_major(x, *shape):  # (B, T, ...) -> T arrays (1, B, *shape)
+        if T == 1:
+            return [x.reshape(1, B, *shape)]
+        return mx.split(mx.swapaxes(x, 0, 1).reshape(T, B, *shape), T)
+
+    kq = token_major(mx.stack([k, q], axis=-2), Hk, 1, 2, Dk)
+    k_column = token_major(k, Hk, 1, Dk, 1)
+    k_dot_q = token_major((k * q).sum(-1), Hk, 1, 1, 1)
+    v = token_major(v, Hk, r, 1, Dv)
+    g, beta = token_major(g, Hk, r, 1, 1), token_major(beta, Hk, r, 1, 1)
+    state_t = state.reshape(1, B, Hk, r, Dv, Dk).swapaxes(-1, -2)
     ys = []
     for t in range(T):
-        y, S = step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        y, state_t = _step(state_t, kq[t], k_column[t], k_dot_q[t], v[t], g[t], beta[t])
         ys.append(y)
-    y = mx.stack(ys, axis=1)  # (B, T, Hk, r, Dv)
-    return y.reshape(B, T, Hv, Dv), S.reshape(B, Hv, Dv, Dk)
+        if states_after is not None:
+            states_after.append(state_t.swapaxes(-1, -2).reshape(B, Hv, Dv, Dk))
+    if T == 1:
+        y = ys[0].reshape(B, 1, Hv, Dv)
+    else:
+        y = mx.swapaxes(mx.concatenate(ys).reshape(T, B, Hv, Dv), 0, 1)  # from (T, B, Hk, r, 1, Dv)
+    return y, state_t.swapaxes(-1, -2).reshape(B, Hv, Dv, Dk)
 
 
 def unit_lower_inverse(L: mx.array) -> mx.array:
@@ -314,6 +336,44 @@ def gated_delta_recurrence(
     return _by_length(gated_delta_sequential, gated_delta_chunked, q, k, v, g, beta, state)
 
 
+def gated_delta_recorded(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+) -> Tuple[mx.array, mx.array, Callable[[Union[int, Sequence[int]]], mx.array]]:
+    """gated_delta_recurrence for a forward a speculative rollback may undo: also
+    `state_after(m)`, the state after only its first m tokens (m a list: row b after
+    its own m[b]). A short forward (a verify) steps anyway, so each step's state is kept
+    and a rollback selects one: bit for bit what feeding those m tokens gives, at the
+    cost of a gather instead of a replay (a replay is dozens of small ops a layer, the
+    larger part of a batch round's rollback on the CPU). Long forwards replay."""
+    g, beta, fp32_state = _fp32_inputs(q, k, v, g, beta, state)
+    if q.shape[1] >= CHUNKED_MIN_TOKENS:
+        y, new_state = gated_delta_chunked(q, k, v, g, beta, fp32_state)
+        return y.astype(v.dtype), new_state, partial(_replayed_state, q, k, v, g, beta, fp32_state)
+    states = [fp32_state]
+    y, new_state = gated_delta_sequential(q, k, v, g, beta, fp32_state, states_after=states)
+    return y.astype(v.dtype), new_state, partial(select_state, states)
+
+
+def _replayed_state(q, k, v, g, beta, state, m):
+    n = m if isinstance(m, int) else max(m)
+    return gated_delta_replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state,
+                              num_steps=None if isinstance(m, int) else m)
+
+
+def select_state(states: List[mx.array], m: Union[int, Sequence[int]]) -> mx.array:
+    """states[m] (states[t]: after t steps, (B, ...)), or row b of states[m[b]] for each b."""
+    if isinstance(m, int):
+        return states[m]
+    if len(set(m)) == 1:
+        return states[m[0]]
+    return mx.concatenate([states[m_b][b : b + 1] for b, m_b in enumerate(m)])
+
+
 def _by_length(sequential, chunked, q, k, v, g, beta, state):
     """Step through short inputs (below CHUNKED_MIN_TOKENS), chunk long ones; y in v's dtype."""
     if q.shape[1] < CHUNKED_MIN_TOKENS:
@@ -426,172 +486,3 @@ def _fp32_inputs(q, k, v, g, beta, state, per_channel: bool = False):
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), mx.float32)
     return g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)
-
-
-# --- Kimi Delta Attention (KDA): the delta rule with a per-channel decay ------------------
-#
-# Kimi Linear's recurrence (Kimi Team, "Kimi Linear", arXiv 2510.26692) is the gated delta
-# rule whose forget gate is a vector over the key channels, g (Dk,) per head and token,
-# instead of one scalar:
-#     S <- S diag(g);  delta = beta (v - S k);  S <- S + delta k^T;  y = S q.
-# The paths below mirror the scalar ones (stepping, chunked, replay) with g (B, T, Hv, Dk);
-# the scalar functions above are untouched. The chunked form needs the decay between two
-# tokens of a chunk per channel, a (C, C, Dk) tensor per head: chunks are kept smaller.
-
-# Tokens per chunk and chunks per block of the per-channel chunked path: its decay tensor
-# is KDA_CHUNK_SIZE^2 * Dk per head and chunk (128 KB at Dk = 128).
-KDA_CHUNK_SIZE = 16
-KDA_CHUNKS_PER_BLOCK = 4
-
-
-def compute_kda_g(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
-    """KDA's per-channel decay g = exp(-exp(A_log) * softplus(a + dt_bias)), in fp32.
-
-    A_log (Hv,) (one rate per head); a (B, T, Hv, Dk); dt_bias (Hv * Dk,) as the
-    checkpoints store it -> g (B, T, Hv, Dk) in (0, 1]."""
-    Hv, Dk = a.shape[-2:]
-    x = a.astype(mx.float32) + dt_bias.astype(mx.float32).reshape(Hv, Dk)
-    rate = mx.exp(A_log.astype(mx.float32).reshape(Hv, 1))
-    return mx.exp(-rate * mx.logaddexp(x, 0.0))
-
-
-@mx.compile
-def _kda_step(state, q, k, v, g, beta):
-    """One token. state (B, Hk, r, Dv, Dk); q, k (B, Hk, Dk); v (B, Hk, r, Dv);
-    g (B, Hk, r, Dk); beta (B, Hk, r) -> y (B, Hk, r, Dv), new state."""
-    # With S' = S diag(g): S' k = S (g * k) and S' q = S (g * q), read in one matmul.
-    kq = mx.stack([g * k[:, :, None], g * q[:, :, None]], axis=-2)  # (B, Hk, r, 2, Dk)
-    reads = kq @ state.swapaxes(-1, -2)  # (B, Hk, r, 2, Dv)
-    delta = beta[..., None] * (v - reads[..., 0, :])  # (B, Hk, r, Dv)
-    y = reads[..., 1, :] + delta * (k * q).sum(-1)[:, :, None, None]
-    state = g[..., None, :] * state + delta[..., None] * k[:, :, None, None, :]
-    return y, state
-
-
-def kda_sequential(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
-) -> Tuple[mx.array, mx.array]:
-    """KDA one token at a time.
-
-    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g (B, T, Hv, Dk); beta (B, T, Hv); state
-    (B, Hv, Dv, Dk) fp32 -> y (B, T, Hv, Dv) fp32, state (B, Hv, Dv, Dk) fp32.
-    """
-    return _step_through(_kda_step, q, k, v, g, beta, state)
-
-
-def _kda_intra_chunk(k: mx.array, log_g: mx.array, beta: mx.array):
-    """The per-chunk pieces every KDA chunk needs. k (N, C, Dk), log_g (N, C, Dk),
-    beta (N, C) -> gamma (N, C, Dk) (cumulative log decay), decay (N, C, C, Dk)
-    (exp(gamma_i - gamma_j) for i >= j, else 0) and (I + L)^-1 (N, C, C) with
-    L[i, j] = beta_i sum_d k_i k_j decay[i, j] (i > j)."""
-    C = k.shape[1]
-    gamma = mx.cumsum(mx.maximum(log_g, _MIN_LOG_GATE), axis=1)  # (N, C, Dk)
-    pos = mx.arange(C)
-    # exp of a masked difference: above the diagonal the exponent would be positive.
-    lower_eq = (pos[:, None] >= pos[None, :])[:, :, None]
-    decay = mx.exp(mx.where(lower_eq, gamma[:, :, None] - gamma[:, None], -mx.inf))  # (N, C, C, Dk)
-    kk = (k[:, :, None] * k[:, None] * decay).sum(-1)  # (N, C, C)
-    L = mx.where(pos[:, None] > pos[None, :], kk, 0.0) * beta[:, :, None]
-    return gamma, decay, unit_lower_inverse(L)
-
-
-def kda_chunked(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array,
-    chunk_size: int = KDA_CHUNK_SIZE,
-) -> Tuple[mx.array, mx.array]:
-    """KDA in chunks of `chunk_size` tokens (a power of two), KDA_CHUNKS_PER_BLOCK
-    chunks at a time. Shapes as in kda_sequential.
-
-    Within a chunk, with gamma_t (Dk,) the summed log decay up to t, S0 the state before:
-        U = (I + L)^-1 (beta v),  W = (I + L)^-1 (beta exp(gamma) * k)
-        v_new = U - W S0^T,  y = (exp(gamma) * q) S0^T + A v_new,
-        A[i, j] = sum_d q_i k_j exp(gamma_i - gamma_j)  (i >= j)
-        S = S0 diag(exp(gamma_C)) + v_new^T (exp(gamma_C - gamma) * k)
-    Padding steps (g = 1, beta = 0, k = v = 0) leave the state unchanged.
-    """
-    return _by_blocks(_kda_chunk_block, q, k, v, g, beta, state, chunk_size, KDA_CHUNKS_PER_BLOCK)
-
-
-def _kda_chunk_block(q, k, v, g, beta, state, C):
-    """kda_chunked on at most KDA_CHUNKS_PER_BLOCK chunks (see there)."""
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
-    n = -(-T // C)
-    f32 = mx.float32
-    if Hv != Hk:  # value head h reads key head h // (Hv // Hk)
-        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
-    # Every head of every chunk as one batch N = n * B * Hv of (C, D) blocks.
-    q, k, v = (_to_chunks(x.astype(f32), n, C).reshape(-1, C, x.shape[-1]) for x in (q, k, v))
-    log_g = _to_chunks(mx.log(g.astype(f32)), n, C).reshape(-1, C, Dk)  # padding: log 1 = 0
-    beta = _to_chunks(beta.astype(f32), n, C).reshape(-1, C)
-    gamma, decay, T_inv = _kda_intra_chunk(k, log_g, beta)
-    u = T_inv @ (beta[..., None] * v)  # (N, C, Dv)
-    w = T_inv @ (beta[..., None] * mx.exp(gamma) * k)  # (N, C, Dk)
-    attn = (q[:, :, None] * k[:, None] * decay).sum(-1)  # (N, C, C), 0 above the diagonal
-    q_eff = q * mx.exp(gamma) - attn @ w  # (N, C, Dk)
-    k_tail = k * mx.exp(gamma[:, -1:] - gamma)  # (N, C, Dk)
-    return _scan_chunks(w, q_eff, u, attn @ u, k_tail, mx.exp(gamma[:, -1]), state, T)
-
-
-def kda_recurrence(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: Optional[mx.array] = None,
-) -> Tuple[mx.array, mx.array]:
-    """Run KDA over T tokens from `state` (zeros if None).
-
-    q, k (B, T, Hk, Dk) already normalised (and q scaled); v (B, T, Hv, Dv); g (B, T,
-    Hv, Dk); beta (B, T, Hv); state (B, Hv, Dv, Dk). Returns y (B, T, Hv, Dv) in v's
-    dtype and the new state in fp32: stepping below CHUNKED_MIN_TOKENS tokens, chunked
-    from there (the same recurrence).
-    """
-    g, beta, state = _fp32_inputs(q, k, v, g, beta, state, per_channel=True)
-    return _by_length(kda_sequential, kda_chunked, q, k, v, g, beta, state)
-
-
-def kda_replay(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: Optional[mx.array] = None,
-    num_steps: Optional[Sequence[int]] = None,
-) -> mx.array:
-    """Only the state after T recorded KDA steps from `state` (a speculative rollback),
-    as gated_delta_replay for the scalar gate: row b replays only its first
-    num_steps[b] steps when given; several steps run as one chunk of the next power of
-    two. Shapes as in kda_recurrence; returns (B, Hv, Dv, Dk) fp32."""
-    g, beta, state = _fp32_inputs(q, k, v, g, beta, state, per_channel=True)
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
-    if num_steps is not None:  # g = 1, beta = 0: the step leaves the state as it is
-        replayed = steps_mask(num_steps, T)[..., None]  # (B, T, 1)
-        g, beta = mx.where(replayed[..., None], g, 1.0), mx.where(replayed, beta, 0.0)
-    if T == 1:
-        return kda_sequential(q, k, v, g, beta, state)[1]
-    k = mx.repeat(k, Hv // Hk, axis=2) if Hv != Hk else k  # value head h reads key head h // r
-    C = 1 << (T - 1).bit_length()
-    k, v, log_g = (_to_chunks(x.astype(mx.float32), 1, C)[0] for x in (k, v, mx.log(g)))  # padding: log g = 0
-    beta = _to_chunks(beta, 1, C)[0]
-    return _kda_chunk_final_state(k, v, log_g, beta, state.reshape(B * Hv, Dv, Dk)).reshape(B, Hv, Dv, Dk)
-
-
-@mx.compile
-def _kda_chunk_final_state(k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, S: mx.array) -> mx.array:
-    """The state after one KDA chunk, nothing else. k (N, C, Dk), v (N, C, Dv),
-    log_g (N, C, Dk), beta (N, C), S (N, Dv, Dk) -> (N, Dv, Dk)."""
-    gamma, _, T_inv = _kda_intra_chunk(k, log_g, beta)
-    u = T_inv @ (beta[..., None] * v)  # (N, C, Dv)
-    w = T_inv @ (beta[..., None] * mx.exp(gamma) * k)  # (N, C, Dk)
-    v_new = u - w @ S.swapaxes(-1, -2)  # (N, C, Dv): what S mispredicts
-    k_tail = k * mx.exp(gamma[:, -1:] - gamma)  # (N, C, Dk)
-    return mx.exp(gamma[:, -1])[:, None, :] * S + v_new.swapaxes(-1, -2) @ k_tail

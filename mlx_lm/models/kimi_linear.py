@@ -6,7 +6,7 @@ What differs from llama:
 - `layer_types` says which layers are "linear_attention" (KDA) and which
   "full_attention" (MLA). Hub configs give them in `linear_attn_config` as 1-indexed
   `kda_layers` / `full_attn_layers`; with neither, every 4th layer after the first attends.
-- KDA (`gated_delta.kda_*`) is the gated delta rule with a decay per key channel:
+- KDA (`kda.py`) is the gated delta rule with a decay per key channel:
   g = exp(-exp(A_log) softplus(f_b(f_a(x)) + dt_bias)) (B, T, H, Dk) through a
   low-rank projection, beta = sigmoid(b_proj(x)) per head. q, k and v (as many heads,
   all of width Dk) each pass a depthwise causal conv (one conv over [q | k | v]) and
@@ -53,7 +53,8 @@ import mlx.nn as nn
 from . import sharding
 from .base import BaseModelArgs, check_layer_types, run_hybrid_layers
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_beta, compute_kda_g, kda_recurrence, kda_replay
+from .gated_delta import compute_beta
+from .kda import compute_kda_g, kda_recurrence, kda_replay
 from .llama import MLP
 # latent_attention: minicpm3 reads it from here (written while this moved to mla.py)
 from .mla import LatentAttention, latent_attention  # noqa: F401

@@ -31,7 +31,6 @@ Reference: transformers `models/olmo_hybrid/modeling_olmo_hybrid.py`,
 """
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -46,9 +45,9 @@ from .base import (
     scaled_dot_product_attention,
 )
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_beta, compute_g, gated_delta_recurrence
+from .gated_delta import compute_beta, compute_g
 from .llama import MLP
-from .qwen3_next import GatedRMSNorm, causal_conv1d, l2_normalize, replay_prefix
+from .qwen3_next import GatedRMSNorm, causal_conv1d, gated_delta_cached, l2_normalize
 from .rope_utils import initialize_rope, resolve_rope
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -258,14 +257,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.heads(nn.silu(causal_conv1d(conv_input, self.conv1d.weight)))
         g = compute_g(self.A_log, self.a_proj(x), self.dt_bias)  # (B, T, Hv)
         beta = compute_beta(self.b_proj(x), self.allow_neg_eigval)  # (B, T, Hv), in (0, 2) if allowed
-        state = None if cache is None else cache[RECURRENT_STATE]
-        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)  # (B, T, Hv, Dv)
-        if cache is not None:
-            if cache.speculating:  # replay needs exactly what the recurrence consumed
-                cache.record_rollback(T, partial(replay_prefix, conv_input, q, k, v, g, beta, state),
-                                      [cache[CONV_STATE], state])
-            cache[CONV_STATE] = conv_input[:, T:]
-            cache[RECURRENT_STATE] = new_state
+        y = gated_delta_cached(conv_input, q, k, v, g, beta, cache)  # (B, T, Hv, Dv)
         gate = self.g_proj(x).reshape(B, T, self.num_value_heads, -1)  # (B, T, Hv, Dv)
         return self.o_proj(self.o_norm(y, gate).reshape(B, T, -1))
 

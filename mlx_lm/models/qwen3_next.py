@@ -28,7 +28,7 @@ References: transformers `models/qwen3_next/modeling_qwen3_next.py` (which ignor
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,7 +43,7 @@ from .base import (
 )
 from . import sharding
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_g, gated_delta_recurrence, gated_delta_replay
+from .gated_delta import compute_g, gated_delta_recorded, gated_delta_recurrence
 from .llama import MLP
 from .rope_utils import initialize_rope, resolve_rope
 from .ssm import conv_state_after
@@ -218,28 +218,31 @@ class GatedRMSNorm(nn.Module):
         return (normed.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(y.dtype)
 
 
-def replay_prefix(
-    conv_input: mx.array,
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: Optional[mx.array],
-    m: Union[int, List[int]],
-) -> List[mx.array]:
-    """A GDN layer's cache entries after only the first m tokens of a recorded forward
-    (m a list: row b after its own m[b], in one replay).
+def entries_after(conv_input: mx.array, num_tokens: int, state_after: Callable, m: Union[int, List[int]]) -> List[mx.array]:
+    """A GDN layer's cache entries after only the first m of the num_tokens tokens of a
+    recorded forward (m a list: row b after its own m[b]): the conv state is rows
+    [m, m+K-1) of the conv input (B, K-1+T, C) (causality), the recurrent state
+    `state_after(m)` (gated_delta.gated_delta_recorded). [conv, recurrent]."""
+    kernel_size = conv_input.shape[1] - num_tokens + 1
+    return [conv_state_after(conv_input, m, kernel_size), state_after(m)]
 
-    The forward's exact recurrence inputs (q, k (B, T, Hk, Dk), v (B, T, Hv, Dv), g, beta
-    (B, T, Hv)) are replayed for m steps from the pre-forward `state`; by causality that
-    is the state after m tokens. The conv state is rows [m, m+K-1) of the conv input
-    (B, K-1+T, C). Returns [conv_state, recurrent_state]."""
-    kernel_size = conv_input.shape[1] - q.shape[1] + 1
-    per_row = None if isinstance(m, int) else m
-    n = m if per_row is None else max(m)
-    state = gated_delta_replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state, num_steps=per_row)
-    return [conv_state_after(conv_input, m, kernel_size), state]
+
+def gated_delta_cached(conv_input: mx.array, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                       cache: Optional[ArraysCache]) -> mx.array:
+    """The gated delta rule over T tokens from the cache's state, the cache then past
+    them (conv state: the conv input's last K-1 rows); while speculating the forward is
+    recorded so that it can be rolled back to any prefix. Returns y (B, T, Hv, Dv)."""
+    if cache is None:
+        return gated_delta_recurrence(q, k, v, g, beta)[0]
+    T, state = q.shape[1], cache[RECURRENT_STATE]
+    if cache.speculating:
+        y, new_state, state_after = gated_delta_recorded(q, k, v, g, beta, state)
+        cache.record_rollback(T, partial(entries_after, conv_input, T, state_after), [cache[CONV_STATE], state])
+    else:
+        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)
+    cache[CONV_STATE] = conv_input[:, T:]
+    cache[RECURRENT_STATE] = new_state
+    return y
 
 
 class GatedDeltaNet(nn.Module):
@@ -305,14 +308,7 @@ class GatedDeltaNet(nn.Module):
         conv_input = self.conv_input(qkv, cache)  # (B, K-1+T, conv_dim)
         q, k, v = self.heads(nn.silu(causal_conv1d(conv_input, self.conv1d.weight)))
         g, beta = compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b.astype(mx.float32))  # (B, T, Hv)
-        state = None if cache is None else cache[RECURRENT_STATE]
-        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)  # (B, T, Hv, Dv)
-        if cache is not None:
-            if cache.speculating:
-                replay = partial(replay_prefix, conv_input, q, k, v, g, beta, state)
-                cache.record_rollback(T, replay, [cache[CONV_STATE], state])
-            cache[CONV_STATE] = conv_input[:, T:]
-            cache[RECURRENT_STATE] = new_state
+        y = gated_delta_cached(conv_input, q, k, v, g, beta, cache)  # (B, T, Hv, Dv)
         return self.out_proj(self.norm(y, z).reshape(B, T, -1))
 
     def shard(self, group: mx.distributed.Group) -> None:
