@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from . import compressed_tensors, quant_schemes, tokenizer_utils
 from .config_files import decode_tagged_floats, encode_tagged_floats, load_config, save_config  # noqa: F401
-from .hub import DEFAULT_ALLOW_PATTERNS, get_model_path, hf_repo_to_path  # noqa: F401
+from .hub import DEFAULT_ALLOW_PATTERNS, create_model_card, get_model_path, hf_repo_to_path, upload_to_hub  # noqa: F401
 from .quantization import (  # noqa: F401
     QUANT_MODES,
     HasQuantPredicate,
