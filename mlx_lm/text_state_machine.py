@@ -129,11 +129,17 @@ def thinking_and_tool_transitions(think: Optional[Tuple[str, str]], tool: Option
 def make_text_state_machine(tokenizer, stop_words: Optional[Sequence[str]] = None) -> TextStateMachine:
     """Upstream's builder: reasoning and tool transitions from `tokenizer`
     (`has_thinking`, `think_start/end`, `has_tool_calling`, `tool_call_start/end`,
-    `structural_markers`), and each stop word as a transition from every state to
-    itself (it is removed)."""
+    `structural_markers`), the chat format's own states (`response_transitions`),
+    and each stop word as a transition from every state to itself (it is removed)."""
     think = (tokenizer.think_start, tokenizer.think_end) if tokenizer.has_thinking else None
     tool = (tokenizer.tool_call_start, tokenizer.tool_call_end) if tokenizer.has_tool_calling else None
     transitions = thinking_and_tool_transitions(think, tool, tokenizer.structural_markers)
+    response = tokenizer.response_transitions
+    if tool is not None and any(target == "tool" for edges in response.values() for _, target in edges):
+        # A format whose own states lead to "tool" decides where calls start, as upstream.
+        transitions["normal"].remove((tool[0], "tool"))
+    for state, edges in response.items():
+        transitions.setdefault(state, []).extend(edges)
     for state in set(transitions) | {"normal"}:
         transitions.setdefault(state, []).extend((w, state) for w in stop_words or [])
     return TextStateMachine(transitions)

@@ -18,15 +18,17 @@ from transformers import PreTrainedTokenizerBase
 from . import tool_parsers
 from .detokenizers import DetokenizerFactory, NaiveStreamingDetokenizer, StreamingDetokenizer
 
+# Kimi K3's XTML vocabulary: all four, as upstream tells it (and tool_parsers).
+_XTML_TOKENS = tool_parsers._XTML_TOKENS
 # Reasoning markers: single tokens a vocabulary holds, or (Gemma 4, Kimi K3's XTML)
 # a text that starts with such a token.
 _THINK_TOKENS = [("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>")]
 _THINK_TEXTS = [(("<|channel>", "<channel|>"), ("<|channel>thought", "<channel|>")),
-                (("<|open|>", "<|close|>", "<|sep|>"), ("<|open|>think<|sep|>", "<|close|>think<|sep|>")),
+                (_XTML_TOKENS, ("<|open|>think<|sep|>", "<|close|>think<|sep|>")),
                 (tool_parsers.HARMONY_TOKENS, ("<|channel|>analysis<|message|>", "<|end|>"))]
 # Message framing some formats write between the parts of an answer: removed from it.
 _STRUCTURAL_MARKERS = [
-    (("<|open|>", "<|close|>", "<|sep|>"),
+    (_XTML_TOKENS,
      ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")),
     (tool_parsers.HARMONY_TOKENS,
      # "<|channel|>commentary" alone: the channel header of a call (tool_parsers/harmony.py)

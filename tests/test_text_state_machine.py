@@ -111,6 +111,7 @@ class _Markers:
     has_thinking, think_start, think_end = True, "<think>", "</think>"
     has_tool_calling, tool_call_start, tool_call_end = True, "<tool_call>", "</tool_call>"
     structural_markers = ("<|frame|>",)
+    response_transitions = {}
 
 
 def test_make_text_state_machine_removes_stop_words_in_every_state():
@@ -119,6 +120,30 @@ def test_make_text_state_machine_removes_stop_words_in_every_state():
     # Each removal is a transition (to the same state), so it begins a new visit.
     assert run(machine, ["aSTOPb<think>cSTOPd</think>e<|frame|>f"]) == [
         ("normal", "a"), ("normal", "b"), ("reasoning", "c"), ("reasoning", "d"), ("normal", "e"), ("normal", "f")]
+
+
+class _ResponseFormat(_Markers):
+    """A chat format with states of its own (upstream's Muse Spark RESPONSE_FORMAT, cut down)."""
+
+    has_thinking, structural_markers = False, ()
+    tool_call_start, tool_call_end = "<atem:function_calls>", "</atem:function_calls>"
+    response_transitions = {
+        "header": [("to=self<|message|>", "reasoning"), ("to=user<|message|>", "normal"),
+                   ("<atem:function_calls>", "tool")],
+        "reasoning": [("<|eom|>", "header")],
+        "normal": [("<|eom|>", "header")],
+    }
+
+
+def test_make_text_state_machine_takes_the_chat_format_states():
+    machine = make_text_state_machine(_ResponseFormat())
+    text = "to=self<|message|>hmm<|eom|>to=user<|message|>Hi <atem:function_calls> x<|eom|><atem:function_calls>f()"
+    # The format's header starts calls, so in "normal" the call marker is plain text.
+    assert run(machine, [text], initial="header") == [
+        ("header", ""), ("reasoning", "hmm"), ("header", ""), ("normal", "Hi <atem:function_calls> x"),
+        ("header", ""), ("tool", "f()")]
+    assert run(make_text_state_machine(_Markers()), ["a<tool_call>f</tool_call>"]) == [
+        ("normal", "a"), ("tool", "f"), ("normal", "")]
 
 
 def test_bad_transitions_are_refused():

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mlx_lm import tool_parsers
 from mlx_lm.tokenizer_utils import load
-from mlx_lm.tokenizer_wrapper import TokenizerWrapper, find_sequence
+from mlx_lm.tokenizer_wrapper import TokenizerWrapper, find_sequence, structural_markers, thinking_markers
 
 # conftest.py makes the tokenizer fixtures bpe_dir, spm_dir, bpe and spm.
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -175,6 +175,29 @@ def test_a_custom_renderer_gets_its_own_thinking_keyword(bpe_dir):
 # ---------------------------------------------------------------------------
 # Markers and finding them
 # ---------------------------------------------------------------------------
+
+
+XTML = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>"]
+
+
+@pytest.mark.parametrize(
+    "vocabulary, thinking, structure",
+    [(["<think>", "</think>"], ("<think>", "</think>"), ()),
+     (["<longcat_think>", "</longcat_think>"], ("<longcat_think>", "</longcat_think>"), ()),
+     (["<|think:start|>", "<|think:end|>"], ("<|think:start|>", "<|think:end|>"), ()),
+     (["<|channel>", "<channel|>"], ("<|channel>thought", "<channel|>"), ()),
+     (XTML, ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+      ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")),
+     (XTML[:3], None, ()),  # not XTML without <|end_of_msg|>, as upstream tells it
+     (HARMONY, ("<|channel|>analysis<|message|>", "<|end|>"), ("<|start|>assistant", "<|channel|>final<|message|>",
+      "<|channel|>commentary<|message|>", "<|channel|>commentary", "<|end|>")),
+     (["<think>", "<|im_start|>"], None, ())],
+)
+def test_markers_of_each_vocabulary(vocabulary, thinking, structure):
+    ids = {token: i for i, token in enumerate(vocabulary)}
+    assert thinking_markers(ids) == thinking
+    assert structural_markers(ids) == structure
 
 
 def test_thinking_markers_and_their_ids(thinking, bpe):
