@@ -162,7 +162,9 @@ class TokenizerWrapper:
         self._think_tokens = self._think and tuple(self._marker_ids(m, vocabulary) for m in self._think)
         self._structural_markers = structural_markers(vocabulary)
         self._tool_call = None if tool_call_start is None else (tool_call_start, tool_call_end or "")
-        self._tool_call_tokens = self._tool_call and tuple(self._marker_ids(m, vocabulary) for m in self._tool_call)
+        # Tool-call markers are the ids their text encodes to, as upstream's (no vocabulary rule).
+        self._tool_call_tokens = self._tool_call and tuple(
+            tuple(tokenizer.encode(m, add_special_tokens=False)) for m in self._tool_call)
         self._tool_parser = tool_parser
         ids = _as_id_set(eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -170,8 +172,8 @@ class TokenizerWrapper:
         self.eos_token_ids = ids
 
     def _marker_ids(self, marker: str, vocabulary: Dict[str, int]) -> TokenIds:
-        # A marker that is one vocabulary entry is that id even where the tokenizer
-        # would split its text (an entry that is not an added token), as upstream's.
+        # A reasoning marker that is one vocabulary entry is that id even where the
+        # tokenizer would split its text (an entry that is not an added token), as upstream's.
         if marker in vocabulary:
             return (vocabulary[marker],)
         return tuple(self._tokenizer.encode(marker, add_special_tokens=False))
