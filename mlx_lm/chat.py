@@ -35,12 +35,13 @@ import mlx.nn as nn
 from .cache_prompt import fill_cache
 from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int, str2bool
 from .drafters import PromptLookup
-from .feeding import ids_within
+from .feeding import DEFAULT_PREFILL_STEP_SIZE, ids_within
 from .generate import GenerationResponse, check_same_tokenizer, stream_generate
 from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import KVCache, make_prompt_cache
 from .sample_utils import make_sampler
 from .tokenizer_utils import TokenizerWrapper
+from .utils import load
 
 DEFAULT_TEMP = 0.0
 DEFAULT_TOP_P = 1.0
@@ -49,6 +50,7 @@ DEFAULT_XTC_THRESHOLD = 0.0
 DEFAULT_SEED = 0
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 3
+# DEFAULT_PREFILL_STEP_SIZE (upstream's name here too) is feeding's: one chunking everywhere.
 
 QUIT_COMMANDS = ("q", "exit")
 RESET_COMMAND = "r"
@@ -79,9 +81,7 @@ def check_speculation_arguments(parser: argparse.ArgumentParser, args: argparse.
 def load_with_speculation(args: argparse.Namespace) -> Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]:
     """Load --model and what speculation needs: (model, tokenizer, the keyword
     arguments of stream_generate that select speculation, empty without it)."""
-    from .utils import load
-
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype)
     speculation: Dict[str, Any] = {}
     if args.draft_model is not None:
         draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype)
@@ -128,7 +128,7 @@ class ChatSession:
     rendering of the answer differs from the tokens generated. `held` is what the
     conversation's cache holds (the last turn's prompt and answer tokens), which the next
     turn keeps where it can (`render`). `last_turn` tells how the last turn's prompt was
-    processed."""
+    processed. `prefill_step_size`: prompt tokens per forward (fewer: less peak memory)."""
 
     def __init__(
         self,
@@ -139,9 +139,15 @@ class ChatSession:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         max_kv_size: Optional[int] = None,
         generation_kwargs: Optional[Dict[str, Any]] = None,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     ) -> None:
         if not tokenizer.has_chat_template:
             raise ValueError("chat needs a tokenizer with a chat template; this model's tokenizer has none")
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+        if "prefill_step_size" in (generation_kwargs or {}):  # it also chunks the caches kept (_store_prompt)
+            raise ValueError("give prefill_step_size as ChatSession's own argument, not in generation_kwargs")
+        self.prefill_step_size = prefill_step_size
         self.model, self.tokenizer = model, tokenizer
         self.system_prompt, self.max_tokens, self.max_kv_size = system_prompt, max_tokens, max_kv_size
         self.generation_kwargs = dict(generation_kwargs or {})
@@ -213,7 +219,7 @@ class ChatSession:
                 kwargs["drafter"] = PromptLookup(context=tokens[: len(tokens) - len(remaining)])
             with contextlib.closing(stream_generate(
                 self.model, self.tokenizer, remaining, max_tokens=self.max_tokens,
-                prompt_cache=prompt_cache, **kwargs,
+                prompt_cache=prompt_cache, prefill_step_size=self.prefill_step_size, **kwargs,
             )) as responses:
                 for response in responses:
                     if not generated:
@@ -242,7 +248,7 @@ class ChatSession:
         for model in self.models():
             end = start + len(model.layers)
             model_ids = ids_within(ids, model.args.vocab_size).tolist()  # as speculation feeds a smaller draft
-            fill_cache(model, model_ids, prompt_cache[start:end], _no_quantization)
+            fill_cache(model, model_ids, prompt_cache[start:end], _no_quantization, self.prefill_step_size)
             start = end
         self.stored.insert(tokens[:-1], copy_prompt_cache(prompt_cache))
         return remaining[-1:]
@@ -303,6 +309,8 @@ def chat_loop(session: ChatSession, verbose: bool) -> None:
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx_lm.chat", description="Chat with an LLM", formatter_class=HelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Local model directory or Hugging Face repo id")
+    parser.add_argument("--adapter-path", default=None,
+                        help="LoRA/DoRA adapters for --model (adapter_config.json + adapters.safetensors)")
     parser.add_argument("--temp", type=float, default=DEFAULT_TEMP, help="Sampling temperature")
     parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="Nucleus sampling threshold")
     parser.add_argument("--xtc-probability", type=float, default=DEFAULT_XTC_PROBABILITY,
@@ -314,6 +322,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Bound every KV cache to this many tokens, keeping the first 4 (default: unbounded)")
     parser.add_argument("--max-tokens", "-m", type=positive_int, default=DEFAULT_MAX_TOKENS,
                         help="Maximum tokens per answer")
+    parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP_SIZE,
+                        help="Prompt tokens per forward; fewer lower the peak memory of long prompts")
     parser.add_argument("--system-prompt", default=None,
                         help="System prompt for the chat template: the text, or a file holding it")
     parser.add_argument("--verbose", type=str2bool, nargs="?", const=True, default=False,
@@ -337,6 +347,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         session = ChatSession(
             model, tokenizer, system_prompt=read_system_prompt(args.system_prompt), max_tokens=args.max_tokens,
             max_kv_size=args.max_kv_size, generation_kwargs=dict(sampler=sampler, **speculation),
+            prefill_step_size=args.prefill_step_size,
         )
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")

@@ -3,9 +3,12 @@ prefill, the KV quantizer, and `CachedModel` (a model with its cache and what th
 cache holds). Every loop uses these (generate, speculative, batching, serving), so a
 prompt gives the same caches, bit for bit, in each; drafters.py keeps the drafters."""
 
+import contextlib
 import functools
+import inspect
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,22 +18,102 @@ from .models.checkpoints import maybe_snapshot
 
 Processors = List[Callable[[mx.array, mx.array], mx.array]]
 
-# All generation runs on this stream (upstream's name; `mlx_lm.generate.generation_stream`),
-# one per thread, so that a server's worker thread never shares it.
+# Generation runs on this stream unless a caller gives another (upstream's name;
+# `mlx_lm.generate.generation_stream`), one per thread, so that a server's worker thread
+# never shares it.
 generation_stream = mx.new_thread_local_stream(mx.default_device())
+
+StreamLike = Union[mx.Stream, mx.ThreadLocalStream, mx.Device, mx.DeviceType]
+Item = TypeVar("Item")
+
+# What this thread's generation runs on while a generator given a stream is stepping.
+_running = threading.local()
+
+
+def current_generation_stream() -> StreamLike:
+    """The stream this thread's generation work goes to: generation_stream, or the
+    `stream` given to the generator that is running a step now (runs_on_stream)."""
+    return getattr(_running, "stream", generation_stream)
 
 
 def on_generation_stream(fn):
-    """Build (and evaluate) `fn`'s work on generation_stream."""
+    """Build (and evaluate) `fn`'s work on the current generation stream."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with mx.stream(generation_stream):
+        with mx.stream(current_generation_stream()):
             return fn(*args, **kwargs)
 
     return run
 
 
+def check_stream(stream: Optional[StreamLike]) -> StreamLike:
+    """`stream` as upstream's generate_step takes it (an mx.Stream, a thread-local stream,
+    a device or device type such as mx.cpu; None: generation_stream), checked: returned,
+    or ValueError naming the value."""
+    if stream is None:
+        return generation_stream
+    if not isinstance(stream, (mx.Stream, mx.ThreadLocalStream, mx.Device, mx.DeviceType)):
+        raise ValueError(
+            f"stream must be an mx.Stream, an mx.ThreadLocalStream or a device (e.g. mx.cpu, "
+            f"mx.new_stream(mx.default_device())), got {stream!r} ({type(stream).__name__})"
+        )
+    device = stream if isinstance(stream, mx.Device) else (
+        mx.Device(stream) if isinstance(stream, mx.DeviceType) else stream.device)
+    if not mx.is_available(device):
+        raise ValueError(f"stream {stream!r} is on {device}, which this machine does not have; "
+                         f"use mx.cpu or leave stream at its default")
+    return stream
+
+
+def run_on_stream(steps: Generator[Item, None, None], stream: Optional[StreamLike]) -> Generator[Item, None, None]:
+    """Yield what `steps` yields, each of its steps (and its close, or an exception
+    thrown in at a yield) running with `stream` as the default stream and the current
+    generation stream. Between steps the consumer's own default stream is back (upstream
+    enters the stream around its whole loop, so its consumers run on it too)."""
+    stream = check_stream(stream)
+    advance = steps.__next__
+    while True:
+        with _stream_current(stream):
+            try:
+                item = advance()
+            except StopIteration:
+                return
+        try:
+            yield item
+            advance = steps.__next__
+        except GeneratorExit:
+            with _stream_current(stream):
+                steps.close()
+            raise
+        except BaseException as error:  # thrown in at the yield: the steps hear of it there
+            advance = functools.partial(steps.throw, error)
+
+
+@contextlib.contextmanager
+def _stream_current(stream: StreamLike):
+    """Within the block, `stream` is this thread's default and generation stream."""
+    previous = current_generation_stream()
+    _running.stream = stream
+    try:
+        with mx.stream(stream):
+            yield
+    finally:
+        _running.stream = previous
+
+
+def runs_on_stream(generator_function):
+    """For a generator function with a `stream` parameter (upstream's: what generation
+    runs on, default generation_stream): the generators it makes run on that stream
+    (run_on_stream; the value is checked at the first step, with the other arguments)."""
+    signature = inspect.signature(generator_function)
+
+    @functools.wraps(generator_function)
+    def make(*args, **kwargs):
+        stream = signature.bind(*args, **kwargs).arguments.get("stream", generation_stream)
+        return run_on_stream(generator_function(*args, **kwargs), stream)
+
+    return make
 
 
 def check_generation_args(

@@ -81,8 +81,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Upstream's name: the command line (`argv`, else sys.argv's), parsed."""
+    return setup_arg_parser().parse_args(argv)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    args = setup_arg_parser().parse_args(argv)
+    args = parse_arguments(argv)
     try:
         fuse(args.model, args.adapter_path, args.save_path, dequantize=args.dequantize)
     except (ValueError, FileNotFoundError) as e:

@@ -3,7 +3,6 @@ speculative loop lives in speculative.py and is re-exported here, as upstream ha
 
 import argparse
 import contextlib
-import inspect
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -28,21 +27,34 @@ from .batching import BatchGenerator, BatchResponse, BatchStats, batch_generate 
 from .drafters import PromptLookup, check_mtp_head
 from .feeding import (
     DEFAULT_PREFILL_STEP_SIZE,
+    StreamLike,
     check_generation_args,
+    check_stream,
     generation_stream,
     kv_quantizer,
     on_generation_stream,
     prefill,
+    runs_on_stream,
 )
 from .fast_blas import blas_line
+from .generate_utils import BatchCounters, BatchCountersSnapshot  # noqa: F401  (upstream imports them here)
 from .models import cache
 from .models.cache import maybe_quantize_kv_cache  # noqa: F401  (upstream's name here)
-from .sample_utils import make_sampler
+from .models.cache import (  # noqa: F401  (upstream's generate.py imports them: code reaches them here)
+    QuantizedKVCache,
+    TokenBuffer,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+from .sample_utils import LogitsProcessor, Sampler, greedy_sampler, make_sampler  # noqa: F401  (as above)
 from .speculation_stats import SpeculationStats
 from .speculative import check_same_tokenizer, speculative_generate_step  # noqa: F401  (upstream's home)
-from .stop_sequences import StopSequences  # noqa: F401  (upstream's home)
+from .stop_sequences import StopSequences
 from .tokenizer_utils import TokenizerWrapper
 from .text_state_machine import TextStateMachine, make_text_state_machine  # noqa: F401  (upstream's home)
+from .utils import does_model_support_input_embeddings, load, maybe_set_recommended_wired_limit  # noqa: F401
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -107,10 +119,16 @@ class GenerationResponse:
     speculation: Optional[SpeculationStats] = None
 
 
-def accepts_input_embeddings(model: nn.Module) -> bool:
-    """Whether the model's forward takes `input_embeddings` (rows fed instead of the
-    token embeddings, e.g. a vision encoder's output)."""
-    return "input_embeddings" in inspect.signature(model.__call__).parameters
+def make_stop_sequences(tokenizer, stop_words: Optional[List[str]] = None) -> StopSequences:
+    """Upstream's builder: the tokenizer's EOS ids, each a one-token stop sequence, and
+    each stop word as the tokens it encodes to (without special tokens)."""
+    sequences = [(token,) for token in tokenizer.eos_token_ids]
+    for word in stop_words or []:
+        tokens = tuple(tokenizer.encode(word, add_special_tokens=False))
+        if not tokens:
+            raise ValueError(f"stop word {word!r} encodes to no tokens; give words with some text")
+        sequences.append(tokens)
+    return StopSequences(sequences)
 
 
 @on_generation_stream
@@ -133,9 +151,11 @@ def sample_next(
     return sampler(logprobs), logprobs.squeeze(0)
 
 
+@runs_on_stream
 def generate_step(
     prompt: mx.array,
     model: nn.Module,
+    stream: Optional[StreamLike] = generation_stream,
     *,
     max_tokens: int = 256,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
@@ -163,7 +183,7 @@ def generate_step(
     `kv_group_size`) once it holds `quantized_kv_start` tokens, checked after every
     prefill chunk and every step. `input_embeddings` (T, hidden) are fed in place of
     the prompt's token embeddings (the prompt is then the T tokens they stand for, which
-    processors see, or empty); the model must take them (accepts_input_embeddings).
+    processors see, or empty); the model must take them (does_model_support_input_embeddings).
 
     `prompt_lookup=True` decodes speculatively with prompt-lookup drafts (see
     speculative_generate_step; at most `num_draft_tokens`, default 3, a round, looking
@@ -172,6 +192,11 @@ def generate_step(
     prompt or itself. `mtp=True` likewise drafts with the model's own
     multi-token-prediction head (drafters.MTPHead), applied up to `num_draft_tokens`
     times a round.
+
+    `stream` (upstream's third argument): what the work runs on, an mx.Stream, a
+    thread-local stream or a device such as mx.cpu (None or the default: this thread's
+    generation_stream). It is the default stream while the generator computes, and not
+    while the caller holds a token.
     """
     if input_embeddings is not None and (prompt_lookup or mtp):
         raise ValueError("prompt_lookup and mtp cannot take input_embeddings: drafting needs the prompt's token ids")
@@ -179,7 +204,7 @@ def generate_step(
         yield from (
             (token, logprobs)
             for token, logprobs, _ in speculative_generate_step(
-                prompt, model, prompt_lookup=prompt_lookup, mtp=mtp, max_ngram_size=max_ngram_size,
+                prompt, model, None, stream, prompt_lookup=prompt_lookup, mtp=mtp, max_ngram_size=max_ngram_size,
                 num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens,
                 max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
                 max_kv_size=max_kv_size, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
@@ -193,7 +218,7 @@ def generate_step(
             "num_draft_tokens needs prompt_lookup=True or mtp=True (or a draft model: speculative_generate_step)"
         )
     check_generation_args(prompt, max_tokens, prefill_step_size, input_embeddings)
-    if input_embeddings is not None and not accepts_input_embeddings(model):
+    if input_embeddings is not None and not does_model_support_input_embeddings(model):
         raise ValueError(f"{type(model).__module__} does not take input_embeddings")
     if prompt_cache is None:
         prompt_cache = cache.make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -247,6 +272,7 @@ def stream_generate(
     prompt: Union[str, List[int], mx.array],
     max_tokens: int = 256,
     draft_model: Optional[nn.Module] = None,
+    stream: Optional[StreamLike] = generation_stream,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text, yielding a GenerationResponse per token. kwargs go to
@@ -254,7 +280,8 @@ def stream_generate(
     (`num_draft_tokens` among them), also with `prompt_lookup=True`, `mtp=True` or a `drafter`.
     Stops at an EOS token or after `max_tokens`; the last response carries the
     finish_reason. When it stops, a passed `prompt_cache` holds the prompt and every
-    generated token."""
+    generated token. `stream`: what generation runs on (see generate_step)."""
+    stream = check_stream(stream)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode_prompt(tokenizer, prompt)
@@ -268,14 +295,14 @@ def stream_generate(
         kwargs.pop("mtp", None)
         token_generator = (
             (token, logprobs, False)
-            for token, logprobs in generate_step(prompt, model, max_tokens=max_tokens, **kwargs)
+            for token, logprobs in generate_step(prompt, model, stream, max_tokens=max_tokens, **kwargs)
         )
     else:
         if "input_embeddings" in kwargs:
             raise ValueError("speculative decoding cannot take input_embeddings: drafters need the prompt's token ids")
         stats = SpeculationStats()
         token_generator = speculative_generate_step(
-            prompt, model, draft_model, max_tokens=max_tokens, stats=stats, **kwargs
+            prompt, model, draft_model, stream, max_tokens=max_tokens, stats=stats, **kwargs
         )
 
     def response(token, logprobs, from_draft, n, finish_reason=None):
@@ -293,7 +320,7 @@ def stream_generate(
             speculation=None if stats is None else replace(stats),
         )
 
-    with wired_limit(model, [generation_stream]), contextlib.closing(token_generator):
+    with wired_limit(model, [stream]), contextlib.closing(token_generator):
         tic = time.perf_counter()
         finish_reason = None
         for n, (token, logprobs, from_draft) in enumerate(token_generator):

@@ -18,10 +18,13 @@ from .feeding import (
     DEFAULT_PREFILL_STEP_SIZE,
     CachedModel,
     Processors,
+    StreamLike,
     check_generation_args,
+    generation_stream,
     kv_quantizer,
     on_generation_stream,
     processed_logprobs,
+    runs_on_stream,
 )
 from .models import cache
 from .sample_utils import CategoricalSampler, make_sampler
@@ -260,10 +263,12 @@ def decide(round: QueuedRound, sampler: Callable[[mx.array], mx.array]) -> Tuple
     return num_accepted, round.drafts.tolist()[:num_accepted] + [token.item()]
 
 
+@runs_on_stream
 def speculative_generate_step(
     prompt: mx.array,
     model: nn.Module,
     draft_model: Optional[nn.Module] = None,
+    stream: Optional[StreamLike] = generation_stream,
     *,
     num_draft_tokens: int = 2,
     max_tokens: int = 256,
@@ -341,6 +346,8 @@ def speculative_generate_step(
     Not covered: an exception during prefill, or an interrupt that lands inside a
     model's forward (between its layers) or between a trim and its recount, leaves the
     caches partly fed; discard them.
+
+    `stream` (upstream's fourth argument): what the work runs on, as in generate_step.
     """
     check_generation_args(prompt, max_tokens, prefill_step_size)
     if num_draft_tokens < 1:

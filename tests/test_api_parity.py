@@ -344,3 +344,77 @@ def test_keys_and_values_are_what_update_and_fetch_returned():
         assert len(held) in (2, 6) and all(mx.array_equal(a, b) for a, b in zip(held, (x for _, x in tree_flatten(fetched))))
         cache.trim(2)
         assert tree_flatten(cache.keys_and_values())[0][1].shape[2] == 3  # up to the offset
+
+
+# ---------------------------------------------------------------------------
+# the CLI modules' public names and the generation functions' `stream`
+
+# Upstream 0.32.2's top-level public names (its source, read with ast) that code may
+# import from these modules, and the values of its constants. Left out, each for a
+# reason the README gives: generate's PromptProcessingBatch and GenerationBatch (its
+# BatchGenerator's internals; batching.py has its own), chat's sharded_load and ChatUI,
+# and what benchmark and cache_prompt merely import (load, batch_generate, generate_step).
+UPSTREAM_NAMES = {
+    "mlx_lm.generate": [
+        "str2bool", "setup_arg_parser", "generation_stream", "wired_limit", "GenerationResponse",
+        "maybe_quantize_kv_cache", "generate_step", "speculative_generate_step", "stream_generate", "generate",
+        "StopSequences", "TextStateMachine", "make_stop_sequences", "make_text_state_machine", "BatchGenerator",
+        "BatchResponse", "batch_generate", "main",
+        # what its source imports, reached through it by code written for it
+        "BatchCounters", "BatchCountersSnapshot", "QuantizedKVCache", "TokenBuffer", "can_trim_prompt_cache",
+        "load_prompt_cache", "make_prompt_cache", "trim_prompt_cache", "LogitsProcessor", "Sampler",
+        "greedy_sampler", "does_model_support_input_embeddings", "load", "maybe_set_recommended_wired_limit",
+    ],
+    "mlx_lm.chat": ["setup_arg_parser", "main", "stream_generate", "make_prompt_cache", "make_sampler", "load"],
+    "mlx_lm.benchmark": ["setup_arg_parser", "main"],
+    "mlx_lm.cache_prompt": ["setup_arg_parser", "main"],
+    "mlx_lm.fuse": ["parse_arguments", "main"],
+}
+UPSTREAM_CONSTANTS = {
+    "mlx_lm.generate": dict(DEFAULT_PROMPT="hello", DEFAULT_MAX_TOKENS=100, DEFAULT_TEMP=0.0, DEFAULT_TOP_P=1.0,
+                            DEFAULT_MIN_P=0.0, DEFAULT_TOP_K=0, DEFAULT_XTC_PROBABILITY=0.0,
+                            DEFAULT_XTC_THRESHOLD=0.1, DEFAULT_MIN_TOKENS_TO_KEEP=1, DEFAULT_SEED=None,
+                            DEFAULT_MODEL="mlx-community/Llama-3.2-3B-Instruct-4bit",
+                            DEFAULT_QUANTIZED_KV_START=5000, DEFAULT_PREFILL_STEP_SIZE=2048),
+    "mlx_lm.chat": dict(DEFAULT_TEMP=0.0, DEFAULT_TOP_P=1.0, DEFAULT_XTC_PROBABILITY=0.0, DEFAULT_XTC_THRESHOLD=0.0,
+                        DEFAULT_SEED=0, DEFAULT_MAX_TOKENS=256, DEFAULT_PREFILL_STEP_SIZE=2048,
+                        DEFAULT_MODEL="mlx-community/Llama-3.2-3B-Instruct-4bit"),
+    "mlx_lm.cache_prompt": dict(DEFAULT_QUANTIZED_KV_START=5000),
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(UPSTREAM_NAMES.keys() | UPSTREAM_CONSTANTS.keys()))
+def test_cli_modules_have_upstreams_names_and_constants(module_name):
+    import importlib
+
+    module = importlib.import_module(module_name)
+    assert [n for n in UPSTREAM_NAMES.get(module_name, []) if not hasattr(module, n)] == []
+    constants = UPSTREAM_CONSTANTS.get(module_name, {})
+    assert {name: getattr(module, name, "missing") for name in constants} == constants
+
+
+def test_stream_is_where_upstream_puts_it():
+    """Upstream passes it positionally: generate_step(prompt, model, stream),
+    speculative_generate_step(prompt, model, draft_model, stream) and
+    stream_generate(model, tokenizer, prompt, max_tokens, draft_model, stream)."""
+    import inspect
+
+    from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step, stream_generate
+
+    for function, position in ((generate_step, 2), (speculative_generate_step, 3), (stream_generate, 5)):
+        parameter = list(inspect.signature(function).parameters.values())[position]
+        assert (parameter.name, parameter.default, parameter.kind) == \
+            ("stream", generation_stream, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def test_make_stop_sequences_holds_eos_ids_and_stop_words(tiny_model_dir):
+    from mlx_lm import load
+    from mlx_lm.generate import make_stop_sequences
+
+    _, tokenizer = load(str(tiny_model_dir))
+    stops = make_stop_sequences(tokenizer, ["the end", "\n"])
+    words = {tuple(tokenizer.encode(w, add_special_tokens=False)) for w in ["the end", "\n"]}
+    assert stops.sequences == {(t,) for t in tokenizer.eos_token_ids} | words and len(stops.sequences) >= 3
+    assert make_stop_sequences(tokenizer).sequences == {(t,) for t in tokenizer.eos_token_ids}
+    with pytest.raises(ValueError, match="stop word '' encodes to no tokens"):
+        make_stop_sequences(tokenizer, [""])

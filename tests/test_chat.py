@@ -332,6 +332,49 @@ def test_ctrl_c_drops_the_answer_and_the_chat_goes_on(tiny_model_dir, monkeypatc
     assert [m["content"] for m in session.messages] == [TURNS[1], answer]
 
 
+def test_prefill_step_size_chunks_every_forward_and_changes_no_answer(tiny_model_dir, hybrid_dir, monkeypatch):
+    """Upstream's --prefill-step-size (DEFAULT_PREFILL_STEP_SIZE): no forward of a turn,
+    the caches kept for a hybrid included, takes more prompt tokens than it."""
+    from mlx_lm import chat, feeding
+
+    assert chat.DEFAULT_PREFILL_STEP_SIZE == feeding.DEFAULT_PREFILL_STEP_SIZE == 2048
+    assert chat.setup_arg_parser().parse_args([]).prefill_step_size == 2048
+    for model_dir in (tiny_model_dir, hybrid_dir):
+        model, tokenizer = load(str(model_dir))
+        answers, lengths = fresh_conversation(model, tokenizer, TURNS)
+        widths, forward = [], type(model).__call__
+
+        def recording_forward(self, inputs, *args, **kwargs):
+            widths.append(inputs.shape[1])
+            return forward(self, inputs, *args, **kwargs)
+
+        monkeypatch.setattr(type(model), "__call__", recording_forward)
+        session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS, prefill_step_size=3)
+        assert ["".join(r.text for r in session.reply(text)) for text in TURNS] == answers
+        monkeypatch.undo()
+        assert max(widths) == 3 and sum(widths) >= lengths[1]
+
+
+def test_adapter_path_reaches_the_loader(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Upstream's --adapter-path: loaded with --model (here one that is missing, so the
+    loader's error names it)."""
+    from mlx_lm import cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    missing = tmp_path / "no_adapters"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["chat", "--model", str(tiny_model_dir), "--adapter-path", str(missing)])
+    assert str(exited.value.code).startswith("Error: ") and str(missing) in str(exited.value.code)
+
+
+def test_bad_prefill_step_sizes_are_refused(tiny_model_dir):
+    model, tokenizer = load(str(tiny_model_dir))
+    with pytest.raises(ValueError, match="prefill_step_size must be positive, got 0"):
+        ChatSession(model, tokenizer, prefill_step_size=0)
+    with pytest.raises(ValueError, match="give prefill_step_size as ChatSession's own argument"):
+        ChatSession(model, tokenizer, generation_kwargs={"prefill_step_size": 8})
+
+
 def test_system_prompt_is_text_or_a_file(tmp_path):
     path = tmp_path / "system.txt"
     path.write_text("You are terse.\n")
@@ -345,7 +388,8 @@ def test_bad_flags_are_usage_errors_also_through_the_dispatcher(monkeypatch, cap
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the dispatcher rewrites it
     for argv, message in ((["--num-draft-tokens", "2"], "--num-draft-tokens 2 needs --draft-model or --prompt-lookup"),
                           (["--prompt-lookup", "--draft-model", "d"], "--prompt-lookup and --draft-model are two drafters; give one"),
-                          (["--max-tokens", "0"], "argument --max-tokens/-m: expected a positive integer, got 0")):
+                          (["--max-tokens", "0"], "argument --max-tokens/-m: expected a positive integer, got 0"),
+                          (["--prefill-step-size", "0"], "argument --prefill-step-size: expected a positive integer, got 0")):
         with pytest.raises(SystemExit) as exited:
             cli.main(["chat", *argv])
         assert exited.value.code == 2 and f"mlx_lm.chat: error: {message}" in capsys.readouterr().err

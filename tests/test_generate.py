@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_lm import generate, load, stream_generate
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 PROMPT = [5, 17, 260, 33, 101, 7, 99, 300, 12, 45, 8]
@@ -269,6 +269,97 @@ def test_generation_runs_on_generation_stream():
     with mx.stream(generation_stream):
         inside = mx.default_stream(mx.default_device())
     assert seen == [inside] and mx.default_stream(mx.default_device()) != inside
+
+
+def stream_inside(stream):
+    """The default stream within `with mx.stream(stream)`."""
+    with mx.stream(stream):
+        return mx.default_stream(mx.default_device())
+
+
+def make_stream(kind):
+    return {"device": mx.cpu, "stream": mx.new_stream(mx.default_device()),
+            "thread-local": mx.new_thread_local_stream(mx.default_device()), "default": None}[kind]
+
+
+@pytest.fixture
+def streams_seen(tiny, monkeypatch):
+    """The default stream at every forward of the tiny model, in order."""
+    model, _ = tiny
+    seen, forward = [], type(model).__call__
+
+    def recording_forward(self, *args, **kwargs):
+        seen.append(mx.default_stream(mx.default_device()))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", recording_forward)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["device", "stream", "thread-local", "default"])
+def test_generate_step_runs_on_the_given_stream(tiny, streams_seen, kind):
+    """Upstream's third argument: every forward runs on it, the tokens are the same, and
+    the caller's own default stream is back at each yield."""
+    from mlx_lm.generate import generation_stream
+
+    model, _ = tiny
+    want = greedy_without_cache(model, PROMPT, 6)
+    streams_seen.clear()
+    stream = make_stream(kind)
+    callers = mx.default_stream(mx.default_device())
+    got = []
+    for token, logprobs in generate_step(mx.array(PROMPT), model, stream, max_tokens=6):
+        assert mx.default_stream(mx.default_device()) == callers
+        got.append((token, mx.argmax(logprobs).item()))
+    assert got == [(t, t) for t in want]
+    expected = stream_inside(generation_stream if stream is None else stream)
+    assert len(streams_seen) >= 6 and all(seen == expected for seen in streams_seen)  # Stream hashes by identity
+
+
+def test_stream_reaches_speculation_and_stream_generate(tiny, streams_seen):
+    model, tokenizer = tiny
+    plain = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=6)]
+    text = generate(model, tokenizer, PROMPT, max_tokens=6)
+    stream = mx.new_stream(mx.default_device())
+    streams_seen.clear()
+    runs = {
+        "draft": [t for t, _, _ in speculative_generate_step(mx.array(PROMPT), model, model, stream,
+                                                              num_draft_tokens=2, max_tokens=6)],
+        "lookup": [t for t, _ in generate_step(mx.array(PROMPT), model, stream, prompt_lookup=True, max_tokens=6)],
+        "stream_generate": [r.token for r in stream_generate(model, tokenizer, PROMPT, 6, None, stream)],
+        "stream_generate draft": [r.token for r in stream_generate(model, tokenizer, PROMPT, 6, model, stream)],
+    }
+    assert runs == {name: plain for name in runs}
+    assert generate(model, tokenizer, PROMPT, max_tokens=6, stream=stream) == text
+    assert streams_seen and all(seen == stream for seen in streams_seen)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("gpu", "stream must be an mx.Stream, an mx.ThreadLocalStream or a device .*got 'gpu' \\(str\\)"),
+    (0, "stream must be .*got 0 \\(int\\)"),
+])
+def test_bad_streams_are_refused_before_any_work(tiny, bad, message):
+    model, tokenizer = tiny
+    cache = make_prompt_cache(model)
+    calls = [
+        lambda: generate_step(mx.array(PROMPT), model, bad, prompt_cache=cache),
+        lambda: speculative_generate_step(mx.array(PROMPT), model, model, bad),
+        lambda: stream_generate(model, tokenizer, PROMPT, 4, None, bad, prompt_cache=cache),
+        lambda: stream_generate(model, tokenizer, PROMPT, stream=bad, prompt_lookup=True),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            next(call())
+    assert cache[0].offset == 0
+
+
+def test_a_stream_on_a_missing_device_is_refused(tiny):
+    model, _ = tiny
+    missing = [device for device in (mx.cpu, mx.gpu) if not mx.is_available(mx.Device(device))]
+    for device in missing:  # on a machine with both there is nothing to refuse
+        with pytest.raises(ValueError, match="which this machine does not have"):
+            next(generate_step(mx.array(PROMPT), model, device))
+    assert missing or mx.is_available(mx.Device(mx.gpu))
 
 
 def test_from_draft_flags_with_an_explicit_draft_length(tiny):
