@@ -86,11 +86,9 @@ def _check_weights_args(where: str, args: Dict[str, Any]) -> None:
 def unpack_rows(packed: mx.array, bits: int, rows: int) -> mx.array:
     """(ceil(rows / (32 / bits)), C) int32 words packed along the first axis ->
     (rows, C) uint32 values: row r is field r % (32 / bits) of word r // (32 / bits)."""
-    per_word = 32 // bits
-    words = packed.view(mx.uint32)
-    fields = [(words >> (bits * j)) & ((1 << bits) - 1) for j in range(per_word)]
-    interleaved = mx.stack(fields, axis=1)  # (words, per_word, C)
-    return interleaved.reshape(-1, packed.shape[-1])[:rows]
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)[:, None]  # (per_word, 1)
+    fields = (packed.view(mx.uint32)[:, None, :] >> shifts) & ((1 << bits) - 1)  # (words, per_word, C): one op
+    return fields.reshape(-1, packed.shape[-1])[:rows]
 
 
 def _zero_points(path: str, tensors: Dict[str, mx.array], bits: int, rows: int, groups: int) -> mx.array:

@@ -145,15 +145,21 @@ def _plan(block: Dict[str, Any], weights: Tensors) -> Optional[Tuple[Tuple[str, 
                      f"{LOADABLE}); dequantize the checkpoint to float, then quantize it with mlx_lm.convert -q")
 
 
-def pack_fields(values: mx.array, bits: int) -> mx.array:
-    """(R, C) integers below 2^bits -> (R, C * bits / 32) uint32 words, field j of word
-    w (bits b*j) holding column (32 / b) * w + j: MLX's affine packing."""
+def pack_rows(values: mx.array, bits: int) -> mx.array:
+    """(R, C) integers below 2^bits -> (R * bits / 32, C) uint32 words, field j of word
+    w (bits b*j) holding row (32 / b) * w + j; transposed, MLX's affine packing."""
     per_word = 32 // bits
-    fields = values.astype(mx.uint32).reshape(values.shape[0], -1, per_word)  # (R, words, per_word)
-    words = fields[..., 0]
+    fields = values.astype(mx.uint32).reshape(-1, per_word, values.shape[1])  # (words, per_word, C)
+    words = fields[:, 0]
     for j in range(1, per_word):
-        words = words | (fields[..., j] << (bits * j))
+        words = words | (fields[:, j] << (bits * j))
     return words
+
+
+def mlx_words(values: mx.array, bits: int) -> mx.array:
+    """(in, out) fields -> MLX's (out, in * bits / 32) words: packed, then transposed
+    (the packed array is the smaller one to move)."""
+    return mx.contiguous(pack_rows(values, bits).T)
 
 
 def _affine(path: str, words: mx.array, scale: mx.array, zero: mx.array, width: int, bits: int
@@ -188,11 +194,11 @@ def _awq_repacker(block: Dict[str, Any]) -> LayerRepack:
     return repack_awq
 
 
-def _awq_columns(packed: mx.array, columns: int) -> mx.array:
-    """AWQ words (R, columns / 8) -> (columns, R) fields, in column order."""
-    fields = ct.unpack_rows(mx.contiguous(packed.T), 4, columns)  # (columns, R): row 8c + j = field j of word c
-    order = mx.array([8 * (c // 8) + AWQ_ORDER.index(c % 8) for c in range(columns)])
-    return fields[order]
+def _awq_columns(packed: mx.array) -> mx.array:
+    """AWQ words (R, C / 8) -> (R, C) fields, in column order."""
+    shifts = mx.array([4 * AWQ_ORDER.index(k) for k in range(8)], mx.uint32)  # column 8c + k of word c
+    fields = (packed.view(mx.uint32)[..., None] >> shifts) & 0xF  # (R, C / 8, 8): one op, written in order
+    return fields.reshape(packed.shape[0], -1)
 
 
 def repack_awq(path: str, tensors: Tensors) -> Tuple[Tensors, Params]:
@@ -210,9 +216,8 @@ def repack_awq(path: str, tensors: Tensors) -> Tuple[Tensors, Params]:
     elif zero.shape != (groups, columns // 8):
         raise ValueError(f"{path}.qzeros {tuple(zero.shape)} is not ({groups}, {columns // 8})")
     else:
-        zero_points = _awq_columns(zero, columns)
-    words = pack_fields(_awq_columns(qweight, columns), 4)
-    return _affine(path, words, mx.contiguous(scale.T), zero_points, width, 4)
+        zero_points = mx.contiguous(_awq_columns(zero).T)
+    return _affine(path, mlx_words(_awq_columns(qweight), 4), mx.contiguous(scale.T), zero_points, width, 4)
 
 
 def _gptq_repacker(block: Dict[str, Any]) -> LayerRepack:
@@ -245,8 +250,8 @@ def repack_gptq(path: str, tensors: Tensors, bits: int, zero_offset: int, group_
     if order is None:
         words = mx.contiguous(qweight.T).view(mx.uint32)  # (columns, width / per_word): MLX's order already
         return _affine(path, words, mx.contiguous(scale.T), zero_points, width, bits)
-    fields = ct.unpack_rows(qweight, bits, width)[order]  # (width, columns), inputs sorted by group
-    tensors, params = _affine(path, pack_fields(fields.T, bits), mx.contiguous(scale.T), zero_points, width, bits)
+    fields = mx.take(ct.unpack_rows(qweight, bits, width), order, axis=0)  # (width, columns), sorted by group
+    tensors, params = _affine(path, mlx_words(fields, bits), mx.contiguous(scale.T), zero_points, width, bits)
     return dict(tensors, input_order=order), params
 
 
@@ -325,11 +330,12 @@ def repack_bitnet(path: str, tensors: Tensors, *, invert_scale: bool) -> Tuple[T
         raise ValueError(f"{path}: weight {None if packed is None else (packed.dtype, tuple(packed.shape))} and "
                          f"weight_scale {tuple(weight_scale.shape)} are not BitNet's packed uint8 ternary weight "
                          "with one scale")
-    fields = mx.concatenate([(packed >> (2 * k)) & 3 for k in range(4)], axis=0)  # (out, in): row k * out/4 + r
+    by_input = mx.contiguous(packed.T)  # (in, out / 4): the small array is the one transposed
+    fields = mx.concatenate([(by_input >> (2 * k)) & 3 for k in range(4)], axis=1)  # (in, out): k * out/4 + r
     value = weight_scale.astype(mx.float32).reshape(1, 1)
     scale = (1 / value if invert_scale else value).astype(weight_scale.dtype)
-    scale = mx.broadcast_to(scale, (fields.shape[0], 1))
-    return _affine(path, pack_fields(fields, 2), scale, mx.ones(scale.shape, mx.uint32), packed.shape[1], 2)
+    scale = mx.broadcast_to(scale, (fields.shape[1], 1))
+    return _affine(path, mlx_words(fields, 2), scale, mx.ones(scale.shape, mx.uint32), packed.shape[1], 2)
 
 
 def _modelopt_layer(path: str, tensors: Tensors) -> Tuple[Tensors, Params]:

@@ -385,8 +385,9 @@ def test_a_config_without_quantized_weights_is_refused(tmp_path):
         load_model(path)
 
 
-def test_pack_fields_is_mlx_affine_packing():
-    values = mx.array(np.random.default_rng(3).integers(0, 4, size=(3, 64)).astype(np.uint32))
-    words = quant_schemes.pack_fields(values, 2)
-    got = mx.dequantize(words, mx.ones((3, 2)), mx.zeros((3, 2)), 32, 2)
-    assert mx.array_equal(got, values.astype(mx.float32)).item()
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_mlx_words_are_mlx_affine_packing(bits):
+    values = mx.array(np.random.default_rng(3).integers(0, 1 << bits, size=(64, 3)).astype(np.uint32))  # (in, out)
+    words = quant_schemes.mlx_words(values, bits)
+    got = mx.dequantize(words, mx.ones((3, 2)), mx.zeros((3, 2)), 32, bits)
+    assert mx.array_equal(got, values.T.astype(mx.float32)).item()
