@@ -238,6 +238,8 @@ def load_model(
     weights = model.sanitize(weights)
     quantize_from_weights(model, weights, read_quantization(config))
     quant_schemes.add_scheme_layers(model, weights)  # GPTQ act-order, NVFP4 global scales
+    if config.get("quantize_activations"):  # upstream's model_config option: inputs quantized as weights
+        quant_schemes.quantize_activations(model)
     if strict:
         check_weights(model, weights)
     model.eval()
@@ -250,13 +252,16 @@ def load_model(
 
 
 def load_tokenizer(
-    model_path: Path,
+    model_path: Union[str, Path],
     tokenizer_config_extra: Optional[Dict[str, Any]] = None,
     eos_token_ids: Union[List[int], int, None] = None,
 ) -> TokenizerWrapper:
-    """The wrapped tokenizer of `model_path`; `tokenizer_config_extra` goes to
-    `AutoTokenizer.from_pretrained` (e.g. {"trust_remote_code": True}), and
-    `eos_token_ids` (default: the tokenizer's EOS) end generation."""
+    """The wrapped tokenizer of `model_path` (a directory, or a hub repo id fetched as
+    `get_model_path` does, as upstream); `tokenizer_config_extra` goes to
+    `AutoTokenizer.from_pretrained` (e.g. {"trust_remote_code": True}, which also fetches
+    the repo's code), and `eos_token_ids` (default: the tokenizer's EOS) end generation."""
+    with_code = bool((tokenizer_config_extra or {}).get("trust_remote_code"))
+    model_path = get_model_path(str(model_path), with_code=with_code)
     return tokenizer_utils.load(model_path, tokenizer_config_extra, eos_token_ids=eos_token_ids)
 
 

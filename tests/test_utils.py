@@ -393,3 +393,12 @@ def test_every_public_name_of_upstreams_utils_but_pipeline_load_is_here():
         upload_to_hub save_model quantize_model dequantize_model save_config save common_prefix_len
         does_model_support_input_embeddings""".split()
     assert [name for name in upstream if not hasattr(utils, name)] == []
+
+
+def test_load_tokenizer_takes_a_path_string_and_names_a_missing_one(tiny_llama_dir, tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_llama_dir), eos_token_ids=[2])
+    assert isinstance(tokenizer, TokenizerWrapper) and 2 in tokenizer.eos_token_ids
+    with pytest.raises(FileNotFoundError, match="is not a local directory and could not be fetched"):
+        load_tokenizer("org/not-cached-anywhere")
