@@ -120,7 +120,7 @@ def upload_to_hub(path: Union[str, Path], upload_repo: str) -> str:
         api.upload_folder(folder_path=str(path), repo_id=upload_repo, repo_type="model")
     except Exception as e:  # offline, unauthenticated, network: all mean "not uploaded"
         raise RuntimeError(
-            f"Could not upload {path} to the hub repo {upload_repo!r}: {type(e).__name__}: {e}. The model is "
-            f"kept in {path}; retry with mlx_lm.utils.upload_to_hub({str(path)!r}, {upload_repo!r})"
+            f"Could not upload {path} to the hub repo {upload_repo!r}: {type(e).__name__}: {str(e).rstrip('.')}. "
+            f"The model is kept in {path}; retry with mlx_lm.utils.upload_to_hub({str(path)!r}, {upload_repo!r})"
         ) from e
     return f"https://huggingface.co/{upload_repo}"

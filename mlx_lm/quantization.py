@@ -280,7 +280,9 @@ def _layer_params(path: str, module: nn.Module, choice: Union[bool, Dict[str, An
     where = f"quant_predicate({path!r})" if isinstance(choice, dict) else f"quantize_model at {path!r}"
     wants_scale = params.get("global_scale", False) or (global_scale and isinstance(module, SwitchLinear))
     if wants_scale and not isinstance(module, SwitchLinear):
-        raise ValueError(f"{where}: a per-expert global_scale is for expert layers; {path} is a {type(module).__name__}")
+        raise ValueError(
+            f"{where}: a per-expert global_scale is for expert layers; {path} is a {type(module).__name__}"
+        )
     return quant_params(params.get("group_size"), params.get("bits"), params.get("mode", "affine"), wants_scale,
                         where=where)
 
