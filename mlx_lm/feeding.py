@@ -74,7 +74,7 @@ def run_on_stream(steps: Generator[Item, None, None], stream: Optional[StreamLik
     stream = check_stream(stream)
     advance = steps.__next__
     while True:
-        with _stream_current(stream):
+        with generating_on(stream):
             try:
                 item = advance()
             except StopIteration:
@@ -83,7 +83,7 @@ def run_on_stream(steps: Generator[Item, None, None], stream: Optional[StreamLik
             yield item
             advance = steps.__next__
         except GeneratorExit:
-            with _stream_current(stream):
+            with generating_on(stream):
                 steps.close()
             raise
         except BaseException as error:  # thrown in at the yield: the steps hear of it there
@@ -91,8 +91,10 @@ def run_on_stream(steps: Generator[Item, None, None], stream: Optional[StreamLik
 
 
 @contextlib.contextmanager
-def _stream_current(stream: StreamLike):
-    """Within the block, `stream` is this thread's default and generation stream."""
+def generating_on(stream: StreamLike):
+    """Within the block, `stream` is this thread's default stream and its generation
+    stream (what on_generation_stream functions use): for a loop that is given a stream
+    and calls them (run_on_stream; a batch's `next`)."""
     previous = current_generation_stream()
     _running.stream = stream
     try:

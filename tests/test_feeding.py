@@ -4,7 +4,14 @@ stream check."""
 import mlx.core as mx
 import pytest
 
-from mlx_lm.feeding import check_stream, current_generation_stream, generation_stream, run_on_stream
+from mlx_lm.feeding import (
+    check_stream,
+    current_generation_stream,
+    generating_on,
+    generation_stream,
+    on_generation_stream,
+    run_on_stream,
+)
 
 
 def default_stream():
@@ -69,3 +76,17 @@ def test_check_stream():
     assert check_stream(mx.cpu) is mx.cpu
     with pytest.raises(ValueError, match=r"got \[1\] \(list\)"):
         check_stream([1])
+
+
+def test_on_generation_stream_follows_generating_on():
+    stream = mx.new_stream(mx.default_device())
+
+    @on_generation_stream
+    def where():
+        return default_stream()
+
+    with generating_on(stream):
+        inside = where()
+    with mx.stream(generation_stream):
+        default = default_stream()
+    assert inside == stream and where() == default and current_generation_stream() is generation_stream
