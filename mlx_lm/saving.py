@@ -103,9 +103,16 @@ EXTRA_FILES = ["generation_config.json", "*.py"]
 
 def _source_directory(src_path_or_repo: Union[str, Path]) -> Tuple[Path, Optional[str]]:
     """(the local directory, the hub repo id or None) of what was converted."""
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
     if Path(src_path_or_repo).exists():
         return Path(src_path_or_repo), None
-    return hf_repo_to_path(str(src_path_or_repo)), str(src_path_or_repo)
+    try:
+        return hf_repo_to_path(str(src_path_or_repo)), str(src_path_or_repo)
+    except (HFValidationError, LocalEntryNotFoundError):
+        raise FileNotFoundError(
+            f"save: the source {str(src_path_or_repo)!r} is neither a directory nor a hub repo in the local cache"
+        ) from None
 
 
 def save(

@@ -67,3 +67,11 @@ def test_save_from_a_cached_hub_repo_names_it_as_base_model(tmp_path, tiny_llama
     assert "base_model: org/tiny" in (tmp_path / "out" / "README.md").read_text()
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"eos_token_id": 2}
     assert model(TOKENS).shape == (1, 6, 512)  # not donated
+
+
+@pytest.mark.parametrize("source", ["/no/such/dir", "org/not-cached"])
+def test_save_names_a_source_it_cannot_find_before_writing(tmp_path, tiny_llama_dir, source):
+    model, config = load_model(tiny_llama_dir)
+    with pytest.raises(FileNotFoundError, match=f"the source '{source}' is neither a directory nor a hub repo"):
+        save(tmp_path / "out", source, model, load_tokenizer(tiny_llama_dir), config)
+    assert list(tmp_path.iterdir()) == [] and model(TOKENS).shape == (1, 6, 512)
