@@ -41,6 +41,7 @@ and leaves NVFP4, MXFP4 and FP8 tensors to the families that rename them.
 """
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -372,3 +373,43 @@ def _ct_fp4_plan(block: Dict[str, Any]) -> Optional[Tuple[Tuple[str, ...], Layer
             dict(params)
 
     return ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"), repack
+
+
+# Modes whose activations can be quantized too, as upstream's `quantize_activations`
+# (nn.QQLinear, mx.qqmm) does: the input rounded to the weight's own format per group.
+ACTIVATION_MODES = ("nvfp4", "mxfp8")
+
+
+def round_to_mode(x: mx.array, group_size: int, bits: int, mode: str) -> mx.array:
+    """(..., D) -> (..., D): x rounded to `mode`'s elements and scales in groups of
+    `group_size` along its last axis, in x's dtype."""
+    quantized = mx.quantize(x, group_size, bits, mode=mode)
+    return mx.dequantize(*quantized, group_size=group_size, bits=bits, mode=mode, dtype=x.dtype)
+
+
+@lru_cache(maxsize=None)
+def _activation_quantized_class(cls: type) -> type:
+    def __call__(self, x: mx.array) -> mx.array:
+        return cls.__call__(self, round_to_mode(x, self.group_size, self.bits, self.mode))
+
+    doc = f"{cls.__name__} whose input is first rounded as its weight is (quant_schemes.quantize_activations)."
+    return type(f"ActivationQuantized{cls.__name__}", (cls,), {"__call__": __call__, "__doc__": doc})
+
+
+def quantize_activations(model: nn.Module) -> None:
+    """Round every nvfp4 or mxfp8 linear layer's input to the layer's own format first
+    (config "quantize_activations", upstream's --quantize-activations), in place: the
+    instance becomes a subclass of its class, so its tensors and isinstance checks
+    stay. This is what nn.QQLinear computes with mx.qqmm (equal, bit for bit, where
+    MLX's CPU backend runs qqmm: one row), here through mx.quantized_matmul, which
+    every backend runs for any shape; it does not use FP4/FP8 matrix units. Float
+    layers stay float; a quantized layer of another mode is refused, naming it."""
+    layers = [(path, m) for path, m in sorted(model.named_modules(), key=lambda item: item[0])
+              if isinstance(m, (nn.QuantizedLinear, fp.SchemeQuantizedLinear))]
+    for path, layer in layers:
+        if layer.mode not in ACTIVATION_MODES:
+            raise ValueError(f"quantize_activations: {path} has mode {layer.mode!r}; activations quantize only "
+                             f"in {' and '.join(ACTIVATION_MODES)} layers (load without quantize_activations)")
+    for _, layer in layers:
+        if not type(layer).__name__.startswith("ActivationQuantized"):
+            layer.__class__ = _activation_quantized_class(type(layer))

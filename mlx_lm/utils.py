@@ -238,6 +238,8 @@ def load_model(
     weights = model.sanitize(weights)
     quantize_from_weights(model, weights, read_quantization(config))
     quant_schemes.add_scheme_layers(model, weights)  # GPTQ act-order, NVFP4 global scales
+    if config.get("quantize_activations"):  # upstream's model_config option: inputs quantized as weights
+        quant_schemes.quantize_activations(model)
     if strict:
         check_weights(model, weights)
     model.eval()

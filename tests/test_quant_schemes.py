@@ -391,3 +391,35 @@ def test_mlx_words_are_mlx_affine_packing(bits):
     words = quant_schemes.mlx_words(values, bits)
     got = mx.dequantize(words, mx.ones((3, 2)), mx.zeros((3, 2)), 32, bits)
     assert mx.array_equal(got, values.T.astype(mx.float32)).item()
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "modelopt nvfp4"])
+def test_quantize_activations_rounds_each_layers_input_as_its_weight(tmp_path, name):
+    """model_config {"quantize_activations": true} (upstream's): each nvfp4 / mxfp8
+    layer computes W x' with x' = x rounded to the layer's format per group, which is
+    nn.QQLinear's result (checked on one row, where MLX's CPU backend runs mx.qqmm)."""
+    path, _ = write_scheme(tmp_path, name)
+    plain, _ = load_model(path)
+    model, config = load_model(path, model_config={"quantize_activations": True})
+    assert config["quantize_activations"] is True and isinstance(model.lm_head, nn.Linear)
+    layer, plain_layer = model.model.layers[0].mlp.up_proj, plain.model.layers[0].mlp.up_proj
+    assert isinstance(layer, type(plain_layer)) and type(layer) is not type(plain_layer)
+    x = mx.random.normal((3, 64), key=mx.random.key(5))
+    rounded = mx.dequantize(*mx.quantize(x, mode=plain_layer.mode), mode=plain_layer.mode, dtype=mx.float32)
+    assert mx.array_equal(layer(x), plain_layer(rounded)).item()
+    assert not mx.allclose(layer(x), plain_layer(x), rtol=1e-3, atol=1e-3).item()  # the input is rounded
+    if isinstance(plain_layer, nn.QuantizedLinear):
+        qq = nn.QQLinear(64, 128, mode=plain_layer.mode)
+        qq.eval()
+        qq.weight, qq.scales = plain_layer.weight, plain_layer.scales
+        assert mx.array_equal(layer(x[:1]), qq(x[:1])).item()
+    logits, plain_logits = model(TOKENS), plain(TOKENS)
+    error = (mx.linalg.norm(logits - plain_logits) / mx.linalg.norm(plain_logits)).item()
+    assert 0 < error < {"mxfp8": 0.3, "nvfp4": 0.6}[plain_layer.mode]  # 3-bit vs 1-bit element mantissas
+
+
+def test_quantize_activations_refuses_other_modes(tmp_path):
+    path, _ = write_scheme(tmp_path, "awq")
+    with pytest.raises(ValueError, match="quantize_activations: model.layers.0.mlp.down_proj has mode 'affine'; "
+                                         "activations quantize only in nvfp4 and mxfp8 layers"):
+        load_model(path, model_config={"quantize_activations": True})
