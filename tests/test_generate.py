@@ -362,6 +362,26 @@ def test_a_stream_on_a_missing_device_is_refused(tiny):
     assert missing or mx.is_available(mx.Device(mx.gpu))
 
 
+def test_generation_on_a_worker_thread_with_its_own_streams(tiny):
+    """A server's worker thread (upstream's tests: a thread that makes its own default
+    stream): the default generation_stream is that thread's, and a stream made there
+    may be given too; the tokens are the main thread's."""
+    import concurrent.futures
+
+    model, tokenizer = tiny
+    want = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=4)]
+
+    def on_worker():
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        own = mx.new_stream(mx.default_device())
+        return ([t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=4)],
+                [t for t, _ in generate_step(mx.array(PROMPT), model, own, max_tokens=4)],
+                [r.token for r in stream_generate(model, tokenizer, PROMPT, 4, model, own)])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        assert pool.submit(on_worker).result(timeout=120) == (want, want, want)
+
+
 def test_from_draft_flags_with_an_explicit_draft_length(tiny):
     """Upstream 0.32.2 drafts num_draft_tokens every round: with the target as its own
     draft and num_draft_tokens=2 its flags are [T, T, F, T, T]. Here that length is a
