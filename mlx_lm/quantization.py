@@ -165,8 +165,8 @@ def quantize_from_weights(model: nn.Module, weights: Dict[str, mx.array], spec: 
             raise ValueError(
                 f"The weights hold quantized layers ({pending[0]}.scales and {len(pending) - 1} more) but "
                 'config.json has no "quantization" block; add one, e.g. "quantization": '
-                '{"group_size": 64, "bits": 4}, matching how they were quantized (Hugging Face '
-                "schemes such as AWQ or GPTQ are not supported: convert the float checkpoint)"
+                '{"group_size": 64, "bits": 4}, matching how they were quantized (a Hugging Face '
+                "scheme such as AWQ or GPTQ is read from its own quantization_config: quant_schemes.py)"
             )
         return
     if not any(k.endswith(".scales") for k in weights):
