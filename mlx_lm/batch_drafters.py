@@ -1,8 +1,9 @@
-"""Drafters that run inside a batch (batching.BatchGenerator) on the device: a draft
-model, or the target's own multi-token-prediction head. Each keeps its cache entries
-after the target's in every row's cache list, drafts every row greedily in K
-single-token steps (a point mass, so sampling rows keep the target's law), and after
-the verify keeps, per row, what the target kept.
+"""Drafters that run inside a batch (batching.BatchGenerator), one protocol for all:
+prompt lookup on the host, and on the device a draft model or the target's own
+multi-token-prediction head. A device drafter keeps its cache entries after the
+target's in every row's cache list, drafts every row greedily in K single-token steps
+(a point mass, so sampling rows keep the target's law), and after the verify keeps,
+per row, what the target kept.
 
 Both sit out plain steps: what they missed is fed in one forward when they next draft,
 before rows join or leave, and after MAX_LAG of them (`catch_up`), so that every row's
@@ -13,7 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import check_mtp_head
+from .drafters import PromptLookup, check_mtp_head
 from .feeding import ids_within
 from .models.batch_cache import bookkeeping, make_room, trim_rows
 from .models.cache import make_prompt_cache
@@ -36,6 +37,81 @@ def _columns(fed: List[int], drafted: mx.array, rooms: List[int]) -> Drafts:
     kept = mx.arange(drafted.shape[1])[None] < mx.array(rooms)[:, None]
     columns = mx.concatenate([first, mx.where(kept, drafted, first)], axis=1)
     return columns, lambda: [d[:room] for d, room in zip(drafted.tolist(), rooms)]
+
+
+def _host_columns(fed: List[int], drafts: List[List[int]]) -> Drafts:
+    """Columns of drafts found on the host: each row's token, its drafts, then its token
+    again as padding."""
+    width = max(map(len, drafts))
+    columns = mx.array([[t] + d + [t] * (width - len(d)) for t, d in zip(fed, drafts)], dtype=mx.uint32)
+    return columns, lambda: drafts
+
+
+class BatchPromptLookup:
+    """Prompt lookup (drafters.PromptLookup), one index per row over its own tokens: the
+    given ones, its prompt, then each token it is to be fed. No cache entries, nothing
+    to roll back: drafts are never indexed, only tokens the target chose."""
+
+    needs_hidden = False
+
+    def __init__(self, max_ngram_size: int):
+        self.max_ngram_size = max_ngram_size
+        self.lookups: List[PromptLookup] = []  # row order
+        self.lag: List[mx.array] = []  # (B,) tokens sampled by plain steps, not yet indexed
+
+    def make_cache(self) -> List[Any]:
+        return []
+
+    def prefill(self, cache: List[Any], tokens: mx.array, hidden: Optional[mx.array], pending: Any) -> Any:
+        return None
+
+    def first_alone(self, cache: List[Any], prompt: mx.array, hidden: Optional[mx.array], first: mx.array,
+                    pending: Any) -> Any:
+        return None
+
+    def join(self, rows: List[Any], tokens: mx.array) -> None:
+        """Each joining row's index: its tokens so far and the one it is to be fed if
+        sampled (else that is its prompt's last, already among them)."""
+        for row in rows:
+            lookup = PromptLookup(self.max_ngram_size, context=row.tokens)
+            if row.first:
+                lookup.extend([row.first[0].item()])
+            self.lookups.append(lookup)
+
+    def filter(self, keep: List[int]) -> None:
+        self.lookups = [self.lookups[i] for i in keep]
+
+    def plain_step(self, fed: mx.array, sampled: mx.array, hidden: Optional[mx.array]) -> None:
+        self.lag.append(sampled)  # indexed when it next drafts, or once MAX_LAG wait
+
+    def catch_up(self, cache: List[Any]) -> None:
+        for sampled in self.lag:
+            for lookup, token in zip(self.lookups, sampled.tolist()):
+                lookup.extend([token])
+        self.lag = []
+
+    def draft(self, cache: List[Any], fed: List[int], rooms: List[int]) -> Optional[Drafts]:
+        """Each row's continuation of its latest n-gram (at most its room); None if no
+        row found one (the step is then plain)."""
+        self.catch_up(cache)
+        drafts = [lookup.lookup(room) if room > 0 else [] for lookup, room in zip(self.lookups, rooms)]
+        return _host_columns(fed, drafts) if any(drafts) else None
+
+    def settle(self, cache: List[Any], columns: mx.array, num_accepted: List[int], kept: List[int],
+               sampled: mx.array, hidden: Optional[mx.array]) -> None:
+        """Each row indexes its accepted drafts and the token after them."""
+        drafts = columns[:, 1:].tolist()
+        for lookup, row_drafts, n, token in zip(self.lookups, drafts, num_accepted, sampled.tolist()):
+            lookup.extend(row_drafts[:n] + [token])
+
+    def cancel(self, cache: List[Any]) -> None:
+        pass  # nothing was indexed
+
+    def rollback_window(self, num_draft_tokens: int) -> int:
+        return 1
+
+    def close(self) -> None:
+        self.lookups, self.lag = [], []
 
 
 class BatchDraftModel:
@@ -71,7 +147,7 @@ class BatchDraftModel:
 
     # The batch.
 
-    def join(self, pendings: List[Any], tokens: mx.array) -> None:
+    def join(self, rows: List[Any], tokens: mx.array) -> None:
         pass  # caught up before rows join: nothing per row
 
     def filter(self, keep: List[int]) -> None:
@@ -181,13 +257,15 @@ class BatchMTPHead:
 
     # The batch.
 
-    def join(self, pendings: List[Any], tokens: mx.array) -> None:
-        """Rows joined the batch (after it caught up), each with its kept-back pair. A
+    def join(self, joining: List[Any], tokens: mx.array) -> None:
+        """Rows joined the batch (after it caught up), each with its kept-back pair
+        (`draft_pending`). A
         row whose prompt was one token after a given cache has none: the target's
         hidden state at the cache's last token is gone, so that pair gets a zero state
         (it only makes the row's drafts worse); `tokens` (n,): their tokens to feed."""
         norm = self.model.mtp_head.pre_fc_norm_hidden.weight  # (H,)
         blank = mx.zeros((1, 1, norm.shape[0]), norm.dtype)
+        pendings = [r.draft_pending for r in joining]
         rows = [p if p is not None else (tokens[i : i + 1, None], blank) for i, p in enumerate(pendings)]
         rows = ([self.pending] if self.pending is not None else []) + rows
         self.pending = (mx.concatenate([t for t, _ in rows]), mx.concatenate([h for _, h in rows]))

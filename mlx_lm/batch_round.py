@@ -3,9 +3,8 @@ its drafts (prompt lookup on the host; a draft model or the target's MTP head on
 device, batch_drafters.py), one verify forward of every row's token and drafts (padded
 to the longest), each row decided by the one acceptance rule (acceptance.accept), and
 each row's rejected tokens rolled back (`trim_rows`: KV columns become holes, recurrent
-states are replayed from the layers' records). With a drafter on the device the next
-round is queued as soon as one is decided, before its tokens are handed out; a queued
-round can be cancelled. Rounds are timed top to top for the draft-length policy."""
+states are rewound from the layers' records). The next round is queued as soon as one
+is decided, before its tokens are handed out; a queued round can be cancelled. Rounds are timed top to top for the draft-length policy."""
 
 import time
 from dataclasses import dataclass
@@ -102,16 +101,6 @@ class Rounds:
         k = self.policy.choose(len(self.table), following)
         return [min(cap, k) for cap in caps]
 
-    def lookup_drafts(self, fed: List[int], rooms: List[int]) -> List[List[int]]:
-        """Each row commits its token about to be fed and looks up drafts (at most its
-        room)."""
-        drafts = []
-        for row, emit, token, room in zip(self.table.rows, self.table.emit, fed, rooms):
-            if emit:
-                row.lookup.extend([token])
-            drafts.append(row.lookup.lookup(room) if room > 0 else [])
-        return drafts
-
     def queue(self, fed: List[int], columns: mx.array, read_drafts: Callable[[], List[List[int]]],
               top: float) -> QueuedRound:
         """The verify of every row's token and drafts (`columns`, (B, K + 1)), queued."""
@@ -121,7 +110,7 @@ class Rounds:
         return QueuedRound(fed, columns, logits, hidden, read_drafts, top)
 
     def queue_ahead(self, rows_waiting: bool) -> None:
-        """With a drafter on the device, queue the next round's drafts and verify as
+        """Queue the next round's drafts and verify as
         soon as this one is decided, so they compute while its tokens are handed out
         (as the single-sequence loop does); the next step decides it. Not while rows
         wait to join (they join between rounds). A plain choice is kept for the next step."""
@@ -135,8 +124,11 @@ class Rounds:
             self.plain_next = len(table)
             return
         fed = table.tokens.tolist()
-        columns, read_drafts = table.drafter.draft(table.draft_caches, fed, rooms)
-        self.queued = self.queue(fed, columns, read_drafts, top)
+        drafted = table.drafter.draft(table.draft_caches, fed, rooms)
+        if drafted is None:  # (prompt lookup found nothing)
+            self.plain_next = len(table)
+            return
+        self.queued = self.queue(fed, *drafted, top)
 
     def cancel(self) -> None:
         """Undo a queued round before the batch changes from outside (remove,

@@ -12,7 +12,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .draft_length import AcceptanceEstimate
-from .drafters import PromptLookup
 from .feeding import processed_logprobs
 from .models.batch_cache import extend_caches, extract_caches, filter_caches, merge_caches
 from .sample_utils import make_sampler
@@ -54,7 +53,6 @@ class Row:
     num_sampled: int = 0  # generated tokens drawn (the index of the next draw)
     first: Optional[Tuple[mx.array, mx.array]] = None  # (token, logprobs) sampled alone
     draft_pending: Any = None  # what its drafter keeps for it until it joins (an MTP head: a pair)
-    lookup: Optional[PromptLookup] = None  # its drafter, when it speculates by prompt lookup
     num_draft_tokens: int = 0  # its cap on drafts per round
     speculation: Optional[SpeculationStats] = None  # its counts, when the batch speculates
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its drafts (policy.new_row)
@@ -141,7 +139,7 @@ class RowTable:
         self.caches = merged if self.caches is None else extend_caches(self.caches, merged)
         tokens = [r.first[0] if r.first else r.prompt for r in joining]
         if self.drafter is not None:
-            self.drafter.join([r.draft_pending for r in joining], mx.concatenate(tokens))
+            self.drafter.join(joining, mx.concatenate(tokens))
         if speculating:  # (no rollback is pending between rounds)
             for entry in self.target_caches:
                 entry.start_speculation()  # one verify a round

@@ -48,7 +48,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_drafters import MAX_LAG, BatchDraftModel, BatchMTPHead
+from .batch_drafters import MAX_LAG, BatchDraftModel, BatchMTPHead, BatchPromptLookup
 from .acceptance import acceptance_rule
 from .batch_round import Decision, QueuedRound, Rounds
 from .batch_rows import GREEDY, Processor, Row, RowTable, Sampler, run_target, sample_row, sample_rows
@@ -198,10 +198,10 @@ class BatchGenerator:
         if draft_model is not None:
             check_can_speculate(draft_model, make_prompt_cache(draft_model), "draft model", "a draft model in a batch")
         self.prompt_lookup, self.num_draft_tokens, self.max_ngram_size = prompt_lookup, num_draft_tokens, max_ngram_size
-        # A drafter on the device, whose entries follow the target's in each cache list.
-        self._drafter: Union[None, BatchDraftModel, BatchMTPHead] = (
+        # The drafter; a device one's entries follow the target's in each cache list.
+        self._drafter: Union[None, BatchPromptLookup, BatchDraftModel, BatchMTPHead] = (
             BatchDraftModel(draft_model, model.args.vocab_size) if draft_model is not None
-            else BatchMTPHead(model) if mtp else None)
+            else BatchMTPHead(model) if mtp else BatchPromptLookup(max_ngram_size) if prompt_lookup else None)
         # Adaptive: costs and acceptance shared with earlier generators of this pair.
         learned = None
         if self.speculating and not fixed_draft_length:
@@ -306,7 +306,7 @@ class BatchGenerator:
             cache = self._fresh_target_cache() + (self._drafter.make_cache() if self._drafter else [])
         elif len(cache) != self._num_target + self._num_draft:
             whose = "MTP head" if isinstance(self._drafter, BatchMTPHead) else "draft model"
-            draft = f", then the {whose}'s {self._num_draft}" if self._drafter else ""
+            draft = f", then the {whose}'s {self._num_draft}" if self._num_draft else ""
             raise ValueError(f"a cache of {len(cache)} entries does not fit: give the target's {self._num_target} "
                              f"entries{draft}")
         processors = self.logits_processors if processors is None else list(processors)
@@ -319,8 +319,6 @@ class BatchGenerator:
                   stop=(stop if stop is not None else self.stop_sequences).matcher())
         row.acceptance = self._policy.new_row()
         row.speculation = SpeculationStats(acceptance_rule=acceptance_rule(sampler)) if self.speculating else None
-        if self.prompt_lookup:
-            row.lookup = PromptLookup(self.max_ngram_size, context=seen)
         return row
 
     def _fresh_target_cache(self) -> List[Any]:
@@ -434,29 +432,22 @@ class BatchGenerator:
         self._join_ready()
         if not len(table):
             return []
-        committed = False  # whether the lookups have this step's tokens
         if self.speculating:
             chosen_plain, rounds.plain_next = rounds.plain_next == len(table), None
             rooms = [0] * len(table) if chosen_plain else rounds.rooms()
             if any(rooms):  # (else a plain step, pipelined as without speculation)
                 fed = table.tokens.tolist()  # drafting needs each row's token now (the last round is done)
-                if self._drafter is not None:  # (every row with room drafts)
-                    # The drafter's catch-up feed is the plain steps' debt, not this round's
-                    # cost: timed in, it made drafting after plain steps look dearer than it is.
-                    caught_up = time.perf_counter()
-                    table.catch_up()
-                    top += time.perf_counter() - caught_up
-                    columns, read_drafts = self._drafter.draft(table.draft_caches, fed, rooms)
-                    return self._finish_round(rounds.queue(fed, columns, read_drafts, top))
-                drafts = rounds.lookup_drafts(fed, rooms)
-                if any(drafts):
-                    columns = [[t] + d + [t] * (max(map(len, drafts)) - len(d)) for t, d in zip(fed, drafts)]
-                    columns = mx.array(columns, dtype=mx.uint32)
-                    return self._finish_round(rounds.queue(fed, columns, lambda: drafts, top))
-                committed = True
-        return self._plain_step(top, committed)
+                # The drafter's catch-up feed is the plain steps' debt, not this round's
+                # cost: timed in, it made drafting after plain steps look dearer than it is.
+                caught_up = time.perf_counter()
+                table.catch_up()
+                top += time.perf_counter() - caught_up
+                drafted = self._drafter.draft(table.draft_caches, fed, rooms)
+                if drafted is not None:  # (prompt lookup may find nothing)
+                    return self._finish_round(rounds.queue(fed, *drafted, top))
+        return self._plain_step(top)
 
-    def _plain_step(self, top: float, committed: bool) -> List[Response]:
+    def _plain_step(self, top: float) -> List[Response]:
         """Feed every row its token and sample the next, pipelined: the forward is
         queued before the last step's tokens are read."""
         table = self._table
@@ -482,8 +473,6 @@ class BatchGenerator:
         if self.speculating:
             self._rounds.plain_step_done(top)
         for i, (r, token) in enumerate(zip(table.rows, fed)):
-            if r.lookup is not None and emit[i] and not committed:
-                r.lookup.extend([token])
             if emit[i] and self._emit_token(r, token, fed_logprobs[i], responses):
                 finished.append(i)
         self._retire(finished, responses)
@@ -503,8 +492,6 @@ class BatchGenerator:
             row_kept, done = self._commit(i, r, queued.fed[i], d, responses)
             if done:
                 finished.append(i)
-            if r.lookup is not None:
-                r.lookup.extend(d.drafts[: d.num_accepted])
             kept.append(row_kept)
             r.num_in_cache += row_kept
         self._rounds.settle(queued, decisions, kept)

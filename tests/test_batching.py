@@ -370,7 +370,7 @@ def test_speculation_in_the_batch_equals_solo(name, monkeypatch):
     solo_caches = [make_prompt_cache(model) for _ in prompts]
     answers = [solo(model, p, b, prefill_step_size=6, prompt_cache=c) for p, b, c in zip(prompts, budgets, solo_caches)]
     oracles = {tuple(p): a for p, a in zip(prompts, answers)}
-    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): OracleLookup(oracles.get(tuple(context))))
+    monkeypatch.setattr(batch_drafters, "PromptLookup", lambda n, context=(): OracleLookup(oracles.get(tuple(context))))
     generator = BatchGenerator(model, completion_batch_size=3, prefill_step_size=6, prompt_lookup=True,
                                num_draft_tokens=3, return_prompt_caches=True)
     out, caches = generate_all(generator, prompts, budgets)
@@ -421,7 +421,7 @@ def test_speculative_sampling_in_the_batch_keeps_the_law(drafted, monkeypatch):
     law = mx.softmax(model(mx.array(p)[None])[0, -1], axis=-1)
     ranked = mx.argsort(-law).tolist()
     draft = ranked[0] if drafted == "likely" else ranked[-1]
-    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(draft))
+    monkeypatch.setattr(batch_drafters, "PromptLookup", lambda n, context=(): FixedLookup(draft))
     generator = BatchGenerator(model, max_tokens=1, sampler=make_sampler(temp=1.0), prompt_lookup=True,
                                fixed_draft_length=True)
     num_samples = 400
@@ -610,7 +610,7 @@ def test_speculating_rows_stop_and_leave_with_exact_caches(monkeypatch):
     prompts = [repetitive_prompt(n, seed) for seed, n in enumerate([9, 14, 6])]
     answers = [solo(model, p, 16) for p in prompts]
     oracles = {tuple(p): a for p, a in zip(prompts, answers)}
-    monkeypatch.setattr(batching, "PromptLookup",
+    monkeypatch.setattr(batch_drafters, "PromptLookup",
                         lambda n, context=(): OracleLookup(oracles.get(tuple(context)), always_right=True))
     stop = answers[0][1]  # the second draft of the first round: accepted, then the row stops
     assert answers[0][0] != stop
@@ -666,7 +666,7 @@ def test_a_batch_stops_drafting_what_is_never_accepted(monkeypatch):
     prompts = [prompt(5, 31), prompt(9, 32)]
     wants = [solo(model, p, 40) for p in prompts]
     never = next(t for t in range(1, 200) if all(t not in w for w in wants))
-    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): FixedLookup(never))
+    monkeypatch.setattr(batch_drafters, "PromptLookup", lambda n, context=(): FixedLookup(never))
     learn = BatchDraftLengthPolicy.learn_cost
     monkeypatch.setattr(BatchDraftLengthPolicy, "learn_cost", lambda self, rows, k, seconds: learn(self, rows, k, 1 + k / 2))
     # A cold start: the model is shared with earlier tests, whose real round times (and

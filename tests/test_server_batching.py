@@ -268,7 +268,7 @@ class RightLookup:
 
 
 def test_stop_string_inside_a_speculated_step(model_dirs, monkeypatch):
-    from mlx_lm import batching
+    from mlx_lm import batch_drafters
     from mlx_lm.generate import generate_step
 
     worker = worker_for(model_dirs, "dense", prompt_lookup=True, fixed_draft_length=True)  # 3 drafts a round
@@ -277,7 +277,7 @@ def test_stop_string_inside_a_speculated_step(model_dirs, monkeypatch):
     messages = user("Stop me in the middle.")
     tokens = worker.provider.make_job(parse_request({"messages": messages}, "chat", ServerDefaults())).tokens
     answer = [t for t, _ in generate_step(mx.array(tokens), served.model, max_tokens=MAX_TOKENS)]
-    monkeypatch.setattr(batching, "PromptLookup", lambda n, context=(): RightLookup(
+    monkeypatch.setattr(batch_drafters, "PromptLookup", lambda n, context=(): RightLookup(
         answer if list(context) == tokens else None))
     full = reference(served, messages)
     stop = served.tokenizer.decode(answer[1:2])  # reported with the draft after it, in one step
