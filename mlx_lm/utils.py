@@ -166,8 +166,9 @@ def compute_dtype(dtype: Optional[str] = None, device: Optional[mx.Device] = Non
 
 
 # Router biases that choose experts (added to the scores before the top-k): transformers
-# keeps them float32, and rounded to bf16 they change which experts win.
-FLOAT32_PARAMETERS = ("e_score_correction_bias", "expert_bias")
+# keeps them float32, and rounded to bf16 they change which experts win. NVFP4's
+# second-level global_scale is float32 in MLX (mx.quantize's) and in the checkpoints.
+FLOAT32_PARAMETERS = ("e_score_correction_bias", "expert_bias", "global_scale")
 
 
 def cast_floats(model: nn.Module, dtype: mx.Dtype) -> nn.Module:

@@ -279,6 +279,16 @@ def test_modelopt_settings_in_hf_quant_config_json(tmp_path):
     np.testing.assert_allclose(np.array(dequantized(m)), reference["model.layers.0.mlp.down_proj"], rtol=1e-6)
 
 
+def test_a_half_precision_load_keeps_the_global_scale_in_float32(tmp_path):
+    path, _ = write_scheme(tmp_path, "modelopt nvfp4", layers=("down_proj",))
+    full, _ = load_model(path)
+    half, _ = load_model(path, dtype=mx.bfloat16)
+    m = half.model.layers[0].mlp.down_proj
+    assert m.global_scale.dtype == mx.float32 and m.scales.dtype == mx.uint8
+    assert mx.array_equal(m.global_scale, full.model.layers[0].mlp.down_proj.global_scale).item()
+    assert half(TOKENS).dtype == mx.bfloat16
+
+
 @pytest.mark.parametrize("name", ["awq", "gptq act-order", "compressed-tensors nvfp4"])
 def test_the_loaded_model_saves_as_an_mlx_checkpoint(tmp_path, name):
     path, _ = write_scheme(tmp_path, name)
