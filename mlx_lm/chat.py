@@ -81,10 +81,12 @@ def check_speculation_arguments(parser: argparse.ArgumentParser, args: argparse.
 def load_with_speculation(args: argparse.Namespace) -> Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]:
     """Load --model and what speculation needs: (model, tokenizer, the keyword
     arguments of stream_generate that select speculation, empty without it)."""
-    model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype)
+    model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype,
+                            trust_remote_code=args.trust_remote_code)
     speculation: Dict[str, Any] = {}
     if args.draft_model is not None:
-        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype)
+        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype,
+                                            trust_remote_code=args.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
         speculation.update(draft_model=draft_model,
                            num_draft_tokens=args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
@@ -311,6 +313,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Local model directory or Hugging Face repo id")
     parser.add_argument("--adapter-path", default=None,
                         help="LoRA/DoRA adapters for --model (adapter_config.json + adapters.safetensors)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Let the tokenizers run their repo's own code (transformers' option)")
     parser.add_argument("--temp", type=float, default=DEFAULT_TEMP, help="Sampling temperature")
     parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="Nucleus sampling threshold")
     parser.add_argument("--xtc-probability", type=float, default=DEFAULT_XTC_PROBABILITY,

@@ -177,7 +177,8 @@ def generate_step(
 
     The prompt (1-D token ids) is prefilled in `prefill_step_size` chunks, then decoding
     is pipelined: the forward of each token is queued before the token is yielded, so
-    after every yield `prompt_cache` holds the prompt and every token yielded so far. `max_tokens=-1` generates without limit.
+    after every yield `prompt_cache` holds the prompt and every token yielded so far.
+    `max_tokens=-1` generates without limit.
     Logits processors see the whole prompt plus the tokens generated so far.
     With `kv_bits`, each KVCache becomes a `kv_bits`-bit QuantizedKVCache (groups of
     `kv_group_size`) once it holds `quantized_kv_start` tokens, checked after every
@@ -404,6 +405,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-eos-token", type=str, nargs="+", default=(),
                         help="Extra tokens (strings or ids) that end generation")
     parser.add_argument("--system-prompt", default=None, help="System prompt for the chat template")
+    parser.add_argument("--prefill-response", default=None,
+                        help="The start of the answer, which the model continues (needs the chat template)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Let the tokenizers run their repo's own code (transformers' option)")
     parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="Prompt text, or '-' for stdin")
     parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
                         help="Maximum tokens to generate (-1: no limit)")
@@ -424,6 +429,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="JSON object of extra chat template arguments")
     parser.add_argument("--verbose", type=str2bool, default=True,
                         help="Print the text as it streams plus speed and memory (true/false)")
+    parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP_SIZE,
+                        help="Prompt tokens per forward; fewer lower the peak memory of long prompts")
     parser.add_argument("--max-kv-size", type=positive_int, default=None,
                         help="Bound every KV cache to this many tokens, keeping the first 4 (default: unbounded)")
     parser.add_argument("--prompt-cache-file", default=None,
@@ -448,13 +455,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def build_prompt(tokenizer: TokenizerWrapper, prompt: str, system_prompt: Optional[str],
-                 use_chat_template: bool, template_args: dict) -> List[int]:
+                 use_chat_template: bool, template_args: dict, prefill_response: Optional[str] = None) -> List[int]:
+    """The prompt's ids: under the chat template (a user turn after `system_prompt`,
+    then the answer's start: the generation prompt, or `prefill_response` continued),
+    else the text as it is."""
     if not (use_chat_template and tokenizer.has_chat_template):
+        if prefill_response is not None:
+            raise ValueError(f"--prefill-response {prefill_response!r} needs the chat template; this one is "
+                             + ("off (--ignore-chat-template)" if tokenizer.has_chat_template else "missing"))
         return tokenizer.encode(prompt)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": prompt})
+    continuing = {} if prefill_response is None else {"continue_final_message": True}
+    if prefill_response is not None:
+        messages.append({"role": "assistant", "content": prefill_response})
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **template_args
+        messages, tokenize=False, add_generation_prompt=prefill_response is None, **continuing, **template_args
     )
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -499,20 +515,24 @@ def run(args: argparse.Namespace) -> str:
     from . import distributed
     from .cache_prompt import load_cached_prompt
     from .models.sharding import parameter_bytes
-    from .utils import compute_dtype, load, parameter_dtypes, sharded_load
+    from .utils import compute_dtype, parameter_dtypes, sharded_load
 
     group = distributed.world()
     if group.size() > 1:
         if args.adapter_path is not None:
             raise ValueError(f"--adapter-path {args.adapter_path!r}: adapters are not sharded; under mlx.launch "
                              "fuse them first (mlx_lm.fuse) and give the fused model")
-        model, tokenizer = sharded_load(args.model, tensor_group=group, dtype=args.dtype)
+        tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else None
+        model, tokenizer = sharded_load(args.model, tensor_group=group, dtype=args.dtype,
+                                        tokenizer_config=tokenizer_config)
     else:
-        model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype)
+        model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype,
+                                trust_remote_code=args.trust_remote_code)
     verbose = args.verbose and group.rank() == 0
     draft_model = None
     if args.draft_model is not None:
-        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype)
+        draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype,
+                                            trust_remote_code=args.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(int(token) if token.isdigit() else token)
@@ -521,7 +541,7 @@ def run(args: argparse.Namespace) -> str:
         xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
         xtc_special_tokens=list(tokenizer.eos_token_ids),
     )
-    kwargs = dict(max_tokens=args.max_tokens, sampler=sampler)
+    kwargs = dict(max_tokens=args.max_tokens, sampler=sampler, prefill_step_size=args.prefill_step_size)
     speculating = draft_model is not None or args.prompt_lookup or args.mtp
     if speculating:
         # Which sample a seed gives depends on the draft lengths: a seeded sampled run pins
@@ -537,7 +557,7 @@ def run(args: argparse.Namespace) -> str:
 
     def format_prompt(text: str) -> List[int]:
         return build_prompt(tokenizer, text, args.system_prompt, not args.ignore_chat_template,
-                            args.chat_template_config or {})
+                            args.chat_template_config or {}, args.prefill_response)
 
     prompt = prompt_text(args.prompt)
     if args.prompt_cache_file is None:

@@ -355,16 +355,21 @@ def test_prefill_step_size_chunks_every_forward_and_changes_no_answer(tiny_model
         assert max(widths) == 3 and sum(widths) >= lengths[1]
 
 
-def test_adapter_path_reaches_the_loader(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """Upstream's --adapter-path: loaded with --model (here one that is missing, so the
-    loader's error names it)."""
-    from mlx_lm import cli
+def test_adapter_path_and_remote_code_reach_the_loader(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Upstream's --adapter-path (here one that is missing, so the loader's error names
+    it) and --trust-remote-code, for --model and the draft."""
+    from mlx_lm import chat, cli
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     missing = tmp_path / "no_adapters"
     with pytest.raises(SystemExit) as exited:
         cli.main(["chat", "--model", str(tiny_model_dir), "--adapter-path", str(missing)])
     assert str(exited.value.code).startswith("Error: ") and str(missing) in str(exited.value.code)
+    asked = []
+    monkeypatch.setattr(chat, "load", lambda *args, **kwargs: asked.append(kwargs) or load(str(tiny_model_dir)))
+    args = chat.setup_arg_parser().parse_args(["--trust-remote-code", "--draft-model", str(tiny_model_dir)])
+    chat.load_with_speculation(args)
+    assert [kwargs["trust_remote_code"] for kwargs in asked] == [True, True]
 
 
 def test_bad_prefill_step_sizes_are_refused(tiny_model_dir):

@@ -216,6 +216,43 @@ def test_cli_speculative_prints_acceptance(tiny_model_dir, capsys, monkeypatch):
     assert "tokens per target forward" in out
 
 
+def test_cli_prefill_response_step_size_and_remote_code(tiny, tiny_model_dir, capsys, monkeypatch):
+    """Upstream's --prefill-response (the answer's start, continued under the chat
+    template), --prefill-step-size and --trust-remote-code reach what they set."""
+    import importlib
+
+    from mlx_lm.generate import build_prompt
+
+    generate_module = importlib.import_module("mlx_lm.generate")  # `mlx_lm.generate` is also the function
+
+    model, tokenizer = tiny
+    prompt = build_prompt(tokenizer, "hi", None, True, {}, prefill_response="Sure, here")
+    assert tokenizer.decode(prompt).endswith("Sure, here") and prompt != build_prompt(tokenizer, "hi", None, True, {})
+    want = generate(model, tokenizer, prompt, max_tokens=4)
+    loads, widths, forward = [], [], type(model).__call__
+    real_load = generate_module.load
+
+    def recording_forward(self, inputs, **kwargs):
+        widths.append(inputs.shape[1])
+        return forward(self, inputs, **kwargs)
+
+    def recording_load(*args, **kwargs):
+        loads.append(kwargs.get("trust_remote_code"))
+        loaded = real_load(*args, **kwargs)
+        monkeypatch.setattr(type(loaded[0]), "__call__", recording_forward)
+        return loaded
+
+    monkeypatch.setattr(generate_module, "load", recording_load)
+    status, out, err = run_main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
+                                 "--prefill-response", "Sure, here", "--prefill-step-size", "3",
+                                 "--trust-remote-code", "--verbose", "false"], capsys, monkeypatch)
+    assert (status, out) == (0, want + "\n"), err
+    assert loads == [True] and max(widths) == 3 and sum(widths) >= len(prompt)  # prefill chunks of 3
+    status, _, err = run_main(["generate", "--model", str(tiny_model_dir), "--prefill-response", "Sure",
+                               "--ignore-chat-template"], capsys, monkeypatch)
+    assert status == 1 and "--prefill-response 'Sure' needs the chat template; this one is off" in err
+
+
 def test_input_embeddings_stand_in_for_the_prompt(tiny):
     """Rows fed in place of the prompt's token embeddings: the model's own embeddings
     give the plain output, with the prompt given or empty, prefilled in any chunks."""
