@@ -9,7 +9,8 @@ CompletionRequest), then handle_completion(request, stop_words), which hands the
 to this project's worker (batching, speculation and every limit still apply). The
 attributes upstream's hooks read are set as upstream's handler sets them (`body`,
 `stream`, `max_tokens`, `temperature`, ..., `request_id`, `object_type`, `created`,
-`response_generator` when embedded).
+`response_generator` when embedded), and the header helpers upstream's overrides call
+(`_set_completion_headers`, `_set_stream_headers`).
 
 What differs from upstream, on purpose: a hook that raises ValueError (or an assert)
 gets a 400 in OpenAI's error shape; handle_chat_completions returns the messages
@@ -177,6 +178,24 @@ class APIHandler(BaseHTTPRequestHandler):
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Vary", "Origin")
 
+    def _set_completion_headers(self, status_code: int = 200) -> None:
+        """Upstream's: a JSON answer's status line and headers, which the caller ends
+        (end_headers) and follows with the body. It sends no Content-Length, so the
+        connection closes after the body."""
+        self._set_headers(status_code, "application/json")
+
+    def _set_stream_headers(self, status_code: int = 200) -> None:
+        """Upstream's: an event stream's status line and headers (as _set_completion_headers)."""
+        self._set_headers(status_code, "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+
+    def _set_headers(self, status: int, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Connection", "close")
+        self.close_connection = True
+        self._cors()
+
     def _send_json(self, status: int, body: dict) -> None:
         self._send(status, json.dumps(body).encode(), "application/json")
 
@@ -314,6 +333,9 @@ class APIHandler(BaseHTTPRequestHandler):
 
         def completion_request() -> CompletionRequest:
             self.body = self._read_body()
+            # Checked here, not in the hook: a subclass's validate_model_parameters cannot skip the limits.
+            self.generation_request = parse_request(self.body, self._kind, self.server.defaults)
+            vars(self).update(upstream_fields(self.generation_request, self.body))
             _as_request_error(self.validate_model_parameters)
             factory = self.handle_chat_completions if self._kind == "chat" else self.handle_text_completions
             return _as_request_error(factory)
@@ -333,15 +355,15 @@ class APIHandler(BaseHTTPRequestHandler):
     def _job_requests(self, request: CompletionRequest, stop_words: List[str]
                       ) -> Tuple[GenerationRequest, GenerationRequest]:
         """(what the worker generates, what the answer is shaped as) for `request`: the
-        body with its messages or prompt, tools and stop strings replaced by the hooks'
-        (each checked again). A chat for a model without a chat template is rendered
-        as upstream renders it (convert_chat with the request's role_mapping) and
-        generated as text."""
-        kind = getattr(request, "request_type", None)
-        if kind not in ("chat", "text"):
-            raise RequestError(500, f"handle_*_completions returned a request of type {kind!r}: expected "
-                                    "a CompletionRequest of type 'chat' or 'text'")
-        body = {k: v for k, v in self.body.items() if k not in ("messages", "prompt", "tools", "stop")}
+        body with the request attributes' values, and its messages or prompt, tools and
+        stop strings replaced by the hooks' (all checked again). A chat for a model
+        without a chat template is rendered as upstream renders it (convert_chat with
+        the request's role_mapping) and generated as text."""
+        if not (isinstance(request, CompletionRequest) and request.request_type in ("chat", "text")):
+            raise RequestError(500, f"handle_*_completions returned {request!r}"[:300] + ": expected a "
+                                    "CompletionRequest of request_type 'chat' or 'text'")
+        kind = request.request_type
+        body = {k: v for k, v in self._body_of_fields().items() if k not in ("messages", "prompt", "tools", "stop")}
         body.update({"messages": request.messages, "tools": request.tools} if kind == "chat"
                     else {"prompt": request.prompt})
         body["stop"] = stop_words
@@ -352,14 +374,25 @@ class APIHandler(BaseHTTPRequestHandler):
         prompt = convert_chat(answer.messages, _role_mapping(request.role_mapping))
         return dataclasses.replace(answer, kind="text", messages=None, prompt=prompt), answer
 
+    def _body_of_fields(self) -> Dict[str, Any]:
+        """The body with the values of upstream's request attributes, which a hook may
+        have changed (upstream's handle_completion generates with those)."""
+        body = {k: v for k, v in self.body.items() if k != "max_completion_tokens"}
+        body.update({name: getattr(self, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                                                          "xtc_probability", "xtc_threshold", "seed",
+                                                          "num_draft_tokens")})
+        body["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        for name in ("repetition", "presence", "frequency"):
+            body[f"{name}_penalty"] = getattr(self, f"{name}_penalty") or None  # upstream's 0: off
+            body[f"{name}_context_size"] = getattr(self, f"{name}_context_size")
+        return body
+
     # -- upstream's hooks: a subclass may override any of them, and the routes call each
 
     def validate_model_parameters(self) -> None:
-        """Check `self.body`: every field (openai_api.parse_request; RequestError 400
-        names the first bad one), then set upstream's request attributes from the
-        checked values (self.stream, self.max_tokens, self.temperature, ...)."""
-        self.generation_request = parse_request(self.body, self._kind, self.server.defaults)
-        vars(self).update(upstream_fields(self.generation_request, self.body))
+        """Upstream's check of the request attributes (self.max_tokens, self.temperature,
+        ...), for a subclass to extend (ValueError -> 400) or to change them. This
+        project's checks of every field (openai_api.parse_request) have run already."""
 
     def handle_chat_completions(self) -> CompletionRequest:
         """The chat request of the body (its messages already checked: content as text,
@@ -456,13 +489,8 @@ class APIHandler(BaseHTTPRequestHandler):
             self._send_json(200, builder.completion(event[1]))
 
     def _start_stream(self, builder: ResponseBuilder) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")  # the end of the stream ends the response
-        self._cors()
+        self._set_stream_headers(200)  # the end of the stream ends the response: the connection closes
         self.end_headers()
-        self.close_connection = True
         if builder.chat:
             self._write_event(f"data: {json.dumps(builder.role_chunk())}\n\n")
 
