@@ -67,6 +67,19 @@ class SchemeQuantizedLinear(nn.Module):
         made.freeze()
         return made
 
+    def dequantized_weight(self) -> mx.array:
+        """(out, in): the float weight this layer applies."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it dequantizes")
+
+    def to_float(self) -> nn.Linear:
+        """The float layer this one computes (utils' dequantize_model)."""
+        weight = self.dequantized_weight()
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in self)
+        layer.weight = weight
+        if "bias" in self:
+            layer.bias = self.bias
+        return layer
+
     def matmul(self, x: mx.array) -> mx.array:
         return mx.quantized_matmul(x, self.weight, scales=self.scales, biases=self.get("biases"), transpose=True,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
@@ -82,6 +95,10 @@ class GlobalScaledQuantizedLinear(SchemeQuantizedLinear):
     def __init__(self, *args: Any):
         super().__init__(*args)
         self.global_scale = mx.ones((1,), mx.float32)
+
+    def dequantized_weight(self) -> mx.array:
+        return mx.dequantize(self.weight, self.scales, None, self.group_size, self.bits, mode=self.mode,
+                             global_scale=self.global_scale)
 
     def __call__(self, x: mx.array) -> mx.array:
         # In float32, then the activations' dtype: one rounding, as a scale folded into the weight would give.

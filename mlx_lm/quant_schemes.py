@@ -281,6 +281,10 @@ class PermutedQuantizedLinear(fp.SchemeQuantizedLinear):
         super().__init__(*args)
         self.input_order = mx.arange(self.weight.shape[1] * 32 // self.bits, dtype=mx.uint32)
 
+    def dequantized_weight(self) -> mx.array:
+        weight = mx.dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits)
+        return weight[:, mx.argsort(self.input_order)]  # column k is input input_order[k]
+
     def __call__(self, x: mx.array) -> mx.array:
         y = self.matmul(mx.take(x, self.input_order, axis=-1))  # columns in group order
         return y + self.bias if "bias" in self else y

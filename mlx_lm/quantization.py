@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .fp_quant_schemes import SchemeQuantizedLinear
 from .models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 # ---------------------------------------------------------------------------
@@ -317,6 +318,8 @@ def compute_bits_per_weight(model: nn.Module) -> float:
 
 def _float_layer(module: nn.Module) -> nn.Module:
     """The float layer a quantized one approximates (its dequantized weight)."""
+    if isinstance(module, SchemeQuantizedLinear):  # GPTQ act-order, NVFP4 global scales: their own inverse
+        return module.to_float()
     if isinstance(module, QuantizedSwitchLinear) and "global_scale" in module:  # one tensor scale an expert
         weight = mx.stack([
             mx.dequantize(w, s, None, module.group_size, module.bits, mode=module.mode, global_scale=g)

@@ -22,7 +22,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm import fp_quant_schemes as fp
 from mlx_lm import quant_schemes
 from mlx_lm.generate import generate
-from mlx_lm.utils import load, load_model
+from mlx_lm.utils import dequantize_model, load, load_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOKENS = mx.array([[1, 5, 9, 200, 17, 3, 44, 8]])
@@ -277,6 +277,21 @@ def test_modelopt_settings_in_hf_quant_config_json(tmp_path):
     m = model.model.layers[0].mlp.down_proj
     assert isinstance(m, fp.GlobalScaledQuantizedLinear) and config["quantization"]["mode"] == "nvfp4"
     np.testing.assert_allclose(np.array(dequantized(m)), reference["model.layers.0.mlp.down_proj"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gptq act-order", "modelopt nvfp4"])
+def test_layers_of_their_own_dequantize_to_the_weight_they_apply(tmp_path, name):
+    path, reference = write_scheme(tmp_path, name, layers=("down_proj",))
+    model, _ = load_model(path)
+    logits = model(TOKENS)
+    dequantize_model(model)
+    m = model.model.layers[1].mlp.down_proj
+    assert type(m) is nn.Linear
+    atol = 1e-6 if name.startswith("gptq") else 2e-2  # nvfp4 dequantizes to bfloat16, as mx.dequantize does
+    np.testing.assert_allclose(np.array(m.weight.astype(mx.float32)), reference["model.layers.1.mlp.down_proj"],
+                               rtol=atol, atol=atol)
+    np.testing.assert_allclose(np.array(model(TOKENS).astype(mx.float32)), np.array(logits), rtol=max(atol, 1e-4),
+                               atol=max(atol, 1e-4))
 
 
 def test_a_half_precision_load_keeps_the_global_scale_in_float32(tmp_path):
