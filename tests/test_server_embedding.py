@@ -361,3 +361,41 @@ def test_a_hook_returning_something_else_is_a_500_naming_it(hooked):
     status, body = raw(hooked(WrongHandler), json.dumps({"messages": MESSAGES}))
     assert status == 500 and "expected a CompletionRequest" in body["error"]["message"]
     assert "{'messages'" in body["error"]["message"]
+
+
+# Upstream 0.32.2's public functions and methods in mlx_lm/server.py with their parameters
+# (read from its source), but what this project leaves out on purpose: Vision (image
+# inputs), TimeBudget (its generation loop's), APIHandler.generate_response and
+# completion_usage_response (answers are openai_api.ResponseBuilder's). APIHandler's
+# __init__ takes (response_generator, request, client_address, server) as *args.
+UPSTREAM_SIGNATURES = {
+    "get_system_fingerprint": [], "convert_chat": ["messages", "role_mapping"],
+    "process_message_content": ["messages", "keep_images"], "run": ["host", "port", "model_provider",
+                                                                   "server_class", "handler_class"],
+    "ToolCallFormatter.__init__": ["self", "tool_parser", "tools", "streaming"],
+    "GenerationContext.stop": ["self"], "ModelProvider.__init__": ["self", "cli_args"],
+    "ModelProvider.reset": ["self"], "ModelProvider.load_default": ["self"],
+    "ModelProvider.load": ["self", "model_path", "adapter_path", "draft_model_path"],
+    "ResponseGenerator.__init__": ["self", "model_provider", "prompt_cache"],
+    "ResponseGenerator.generation_available": ["self"], "ResponseGenerator.stop_and_join": ["self"],
+    "ResponseGenerator.join": ["self"],
+    "ResponseGenerator.generate": ["self", "request", "generation_args", "progress_callback"],
+    **{f"APIHandler.{name}": ["self"] for name in ("do_OPTIONS", "do_POST", "do_GET", "validate_model_parameters",
+                                                   "handle_chat_completions", "handle_text_completions",
+                                                   "handle_health_check", "handle_models_request")},
+    "APIHandler.handle_completion": ["self", "request", "stop_words"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM_SIGNATURES))
+def test_upstreams_server_api_is_here_with_its_parameters(name):
+    import inspect
+
+    import mlx_lm.server
+
+    target = mlx_lm.server
+    for part in name.split("."):
+        target = getattr(target, part)
+    parameters = [p for p in inspect.signature(target).parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    assert [p.name for p in parameters] == UPSTREAM_SIGNATURES[name]
