@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .models.cache import check_kv_quantization, maybe_quantize_kv_cache, trim_prompt_cache
-from .models.checkpoints import maybe_snapshot
+from .models.checkpoints import PrefillChunks, maybe_snapshot
 
 Processors = List[Callable[[mx.array, mx.array], mx.array]]
 
@@ -169,6 +169,7 @@ def prefill(
     input_embeddings: Optional[mx.array] = None,
     *,
     also: Sequence[Tuple[nn.Module, List[Any], mx.array]] = (),
+    chunks: Optional[PrefillChunks] = None,
 ) -> mx.array:
     """Feed all prompt positions but the last through the model in chunks; return the
     tokens still to feed (the last one, whose logits start generation).
@@ -177,12 +178,16 @@ def prefill(
     With `input_embeddings` (T, hidden) the model takes those rows instead of the
     tokens' embeddings; `prompt` is then the T tokens they stand for, or empty.
     `also`: more (model, cache, ids) fed the same chunks of their own ids for the
-    prompt (a draft model's), each chunk before `progress` hears of it."""
+    prompt (a draft model's), each chunk before `progress` hears of it.
+    Chunks: `prefill_step_size` tokens, cut where models/checkpoints.py says for caches
+    with untrimmable entries (`chunks`: as for the whole list, where `prompt_cache` is
+    a part of it)."""
     total = prompt.size if input_embeddings is None else input_embeddings.shape[0]
     done = 0
     maybe_snapshot(prompt_cache, 0)  # a CheckpointedCache's snapshots (issue 33)
+    chunks = chunks or PrefillChunks(prompt_cache, prefill_step_size)
     while total - done > 1:
-        n = min(prefill_step_size, total - done - 1)
+        n = chunks.size(done, total - done - 1)
         rows = {} if input_embeddings is None else {"input_embeddings": input_embeddings[done : done + n][None]}
         model(prompt[done : done + n][None], cache=prompt_cache, **rows)
         for other, cache, ids in also:

@@ -10,7 +10,8 @@ prefix with a new prompt and returns a private copy of it plus the tokens still 
   its cache entries is trimmable (`can_trim_prompt_cache`): the copy is trimmed back to
   the common prefix;
 - else, if it is a CheckpointedCache (models/checkpoints.py), from its nearest snapshot
-  at or before the common prefix: its recurrent states and wrapped sliding windows come
+  at or before the common prefix (one cut at the prompt's message boundaries, when the
+  caller gives them): its recurrent states and wrapped sliding windows come
   from the snapshot, its KV entries are trimmed to it, and the prompt is fed from
   there, exactly as a cold run feeds it. Without one, recurrent states (ArraysCache)
   and wrapped sliding windows cannot give tokens back outside speculation, so for them
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .models.cache import can_trim_prompt_cache, trim_prompt_cache
-from .models.checkpoints import CheckpointedCache, Snapshot, always_trimmable, copy_entry
+from .models.checkpoints import CheckpointedCache, Snapshot, always_trimmable, check_message_boundaries, copy_entry
 
 # Upstream's cache types (LRUPromptCache.insert_cache), which stats_by_type reports.
 CACHE_TYPES = ("assistant", "user", "system")
@@ -131,19 +132,24 @@ class LRUPromptCache:
         """Stored token sequences, least recently used first."""
         return list(self._entries)
 
-    def checkpointed(self, prompt_cache: List[Any], prefill_step_size: int) -> List[Any]:
-        """An empty cache list as a CheckpointedCache on the grid of `prefill_step_size`
-        (the prefill's own step), within checkpoint_bytes; as it is where every entry
-        trims anyway or nothing would be stored."""
+    def checkpointed(self, prompt_cache: List[Any], prefill_step_size: int, *,
+                     message_boundaries: Sequence[int] = ()) -> List[Any]:
+        """An empty cache list as a CheckpointedCache for prefills in steps of
+        `prefill_step_size` (the prefill's own), within checkpoint_bytes, to be fed a
+        prompt with these message boundaries; as it is where every entry trims anyway
+        or nothing would be stored."""
         if self.max_size == 0 or self.checkpoint_bytes == 0 or all(always_trimmable(c) for c in prompt_cache):
             return prompt_cache
         if isinstance(prompt_cache, CheckpointedCache) or not all(
             c.empty() for c in prompt_cache if not always_trimmable(c)
         ):
             raise ValueError("checkpointed() takes a fresh cache list (make_prompt_cache): it counts from its first token")
-        return CheckpointedCache(prompt_cache, prefill_step_size, self.checkpoint_bytes)
+        checkpointed = CheckpointedCache(prompt_cache, prefill_step_size, self.checkpoint_bytes)
+        checkpointed.set_message_boundaries(message_boundaries)
+        return checkpointed
 
-    def _reusable_length(self, key: Tuple[int, ...], entry: CacheEntry, tokens: Sequence[int]) -> int:
+    def _reusable_length(self, key: Tuple[int, ...], entry: CacheEntry, tokens: Sequence[int],
+                         message_boundaries: Sequence[int]) -> int:
         """How many leading prompt tokens this entry can supply (0: none)."""
         common = common_prefix_length(key, tokens)
         if common == len(key) < len(tokens):
@@ -152,15 +158,18 @@ class LRUPromptCache:
         if entry.trimmable:
             return limit
         if isinstance(entry.prompt_cache, CheckpointedCache):
-            return entry.prompt_cache.nearest(limit) or 0
+            return entry.prompt_cache.nearest(limit, message_boundaries) or 0
         return 0
 
-    def fetch(self, tokens: Sequence[int]) -> FetchResult:
-        """The best reusable entry for a prompt of `tokens` (see the module docstring)."""
+    def fetch(self, tokens: Sequence[int], *, message_boundaries: Sequence[int] = ()) -> FetchResult:
+        """The best reusable entry for a prompt of `tokens` (see the module docstring)
+        whose `message_boundaries` (token positions, models/checkpoints.py) the copy
+        is then told of."""
         tokens = list(tokens)
+        message_boundaries = check_message_boundaries(message_boundaries)
         best_key, best_length = None, 0
         for key, entry in self._entries.items():
-            length = self._reusable_length(key, entry, tokens)
+            length = self._reusable_length(key, entry, tokens, message_boundaries)
             # On a tie prefer the entry needing no trim (the shorter key).
             if length > best_length or (length == best_length > 0 and len(key) < len(best_key)):
                 best_key, best_length = key, length
@@ -173,6 +182,8 @@ class LRUPromptCache:
         else:
             prompt_cache = copy_prompt_cache(entry.prompt_cache)
             trim_prompt_cache(prompt_cache, len(best_key) - best_length)
+        if isinstance(prompt_cache, CheckpointedCache):
+            prompt_cache.set_message_boundaries(message_boundaries)
         return FetchResult(prompt_cache, tokens[best_length:], best_length)
 
     def insert(self, tokens: Sequence[int], prompt_cache: List[Any], *, cache_type: str = "assistant") -> bool:

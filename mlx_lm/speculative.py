@@ -27,6 +27,7 @@ from .feeding import (
     runs_on_stream,
 )
 from .models import cache
+from .models.checkpoints import CheckpointedCache, SnapshottingProgress
 from .sample_utils import CategoricalSampler, make_sampler
 from .utils import parameter_dtypes
 
@@ -355,6 +356,11 @@ def speculative_generate_step(
     if mtp:
         check_mtp_head(model)
     prompt_cache = _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size, mtp)
+    if mtp and isinstance(prompt_cache, CheckpointedCache):
+        # The head's entries hold one pair fewer than the target's, and a run that goes on
+        # from a cache skips a pair: a snapshot would not resume them as a cold run has them.
+        raise ValueError("mtp=True cannot take a CheckpointedCache: an MTP head's cache does not resume from "
+                         "snapshots; pass a plain cache list (make_prompt_cache + model.make_mtp_cache())")
     drafter = make_drafter(model, draft_model, prompt_cache, prompt_lookup=prompt_lookup,
                            max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size, drafter=drafter, mtp=mtp)
     num_target = len(model.layers)
@@ -374,6 +380,8 @@ def speculative_generate_step(
                                    num_draft_tokens) if adaptive_draft_length else None
     policy = DraftLengthPolicy(num_draft_tokens, adaptive=adaptive_draft_length, learned=learned)
     progress = prompt_progress_callback or (lambda done, total: None)
+    if isinstance(prompt_cache, CheckpointedCache):  # the drafter feeds the list in parts: told once a chunk
+        progress = SnapshottingProgress(prompt_cache, progress)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
     drafter.prefill(target, prompt, prefill_step_size, progress, quantize_kv)

@@ -1,5 +1,5 @@
-"""models/checkpoints.py: snapshots on the prefill grid resume every untrimmable kind
-exactly (Gated DeltaNet, Mamba-2 with and without attention, short convolutions, a
+"""models/checkpoints.py: snapshots at chunk ends (the prefill step, the grid, message
+boundaries) resume every untrimmable kind exactly (Gated DeltaNet, Mamba-2 with and without attention, short convolutions, a
 sliding window past its wrap): the resumed cache and its greedy continuation equal a
 cold run bit for bit; trim_prompt_cache goes back to a snapshot and refuses elsewhere;
 the byte budget holds; the count survives generation or says it is lost."""
@@ -7,13 +7,23 @@ the byte budget holds; the count survives generation or says it is lost."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from family_checks import fixture_model
+from family_checks import fixture_model, noisy_model
 from test_lru_prompt_cache import flat_state as entry_state
+from test_mtp import CONFIGS as MTP_CONFIGS
+from test_mtp import build
 
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.lru_prompt_cache import LRUPromptCache
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-from mlx_lm.models.checkpoints import CheckpointedCache, SnapshottingProgress, maybe_snapshot
+from mlx_lm.models import checkpoints
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.checkpoints import (
+    CheckpointedCache,
+    PrefillChunks,
+    SnapshottingProgress,
+    chunk_end,
+    first_spacing,
+    maybe_snapshot,
+)
 
 STEP = 8  # the prefill step: snapshots at 8, 16, 24, ...
 FAMILIES = {
@@ -184,3 +194,114 @@ def test_a_chunk_told_twice_counts_once_and_off_grid_chunks_take_no_snapshots():
         maybe_snapshot(prompt_cache, -1)
     with pytest.raises(ValueError, match="prefill_step_size must be positive"):
         CheckpointedCache([], 0, 1)
+
+
+def test_chunk_ends_are_a_function_of_position():
+    """The step, the grid and the message boundaries cut a chunk, whichever comes first,
+    whatever position a run began at."""
+    assert checkpoints.SNAPSHOT_GRID == 128
+    assert chunk_end(0, 2048) == 128 and chunk_end(300, 2048) == 384 and chunk_end(300, 100) == 384
+    assert chunk_end(500, 100) == 512 and chunk_end(512, 100) == 600 and chunk_end(13, 8) == 16
+    assert chunk_end(0, 2048, (13, 300)) == 13 and chunk_end(13, 2048, (13, 300)) == 128
+    assert chunk_end(256, 2048, (13, 300)) == 300
+    assert first_spacing(2048) == 128 and first_spacing(8) == 8 and first_spacing(100) == 100
+    with pytest.raises(ValueError, match=r"increasing positive token positions, got \[5, 3\]"):
+        CheckpointedCache([], STEP, 1).set_message_boundaries([5, 3])
+    # A loop cutting whole steps from each segment's start (the batch) cuts these chunks.
+    hybrid = make_prompt_cache(fixture_model(FAMILIES["gated_deltanet"]))
+    segments = PrefillChunks(hybrid, 100).segments(list(range(600)))
+    assert [len(s) for s in segments] == [128, 72, 56, 44, 84, 16, 112, 88] and sum(segments, []) == list(range(600))
+    assert PrefillChunks([KVCache()], 100).segments(list(range(600))) == [list(range(600))]
+
+
+def test_at_the_default_step_snapshots_sit_on_the_grid(monkeypatch):
+    """A prefill step coarser than the prompt still leaves snapshots (every grid
+    multiple ends a chunk, in cold runs too), and a resumed prompt equals a cold one."""
+    monkeypatch.setattr(checkpoints, "SNAPSHOT_GRID", 16)
+    model = fixture_model(FAMILIES["gated_deltanet"])
+    lru = LRUPromptCache()
+    first = lru.checkpointed(make_prompt_cache(model), 2048)
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=2, prompt_cache=first)
+    lru.insert(PROMPT + [t for t, _ in steps], first)
+    assert first.positions() == [16, 32]
+    prompt = PROMPT[:40] + tokens(1, 12)
+    got = lru.fetch(prompt)
+    assert got.num_cached == 32
+    resumed = list(generate_step(mx.array(got.remaining), model, max_tokens=4, prompt_cache=got.prompt_cache))
+    cold_cache = make_prompt_cache(model)
+    cold = list(generate_step(mx.array(prompt), model, max_tokens=4, prompt_cache=cold_cache))
+    assert [t for t, _ in resumed] == [t for t, _ in cold]
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
+    assert_same_caches(got.prompt_cache, cold_cache)
+
+
+BOUNDARIES = (13, 30)  # where a chat template's earlier messages end, say
+
+
+def test_message_boundaries_cut_chunks_and_resume_only_prompts_cut_alike():
+    """Chunks end at the prompt's message boundaries too, snapshots are taken there,
+    and a snapshot resumes a prompt only where its boundaries up to it are the same
+    (a cold run of it is then cut alike, and equals the resumed one bit for bit)."""
+    model = fixture_model(FAMILIES["gated_deltanet"])
+    lru = LRUPromptCache()
+    first = lru.checkpointed(make_prompt_cache(model), STEP, message_boundaries=BOUNDARIES)
+    lru.insert(PROMPT + [t for t, _ in greedy(model, first, PROMPT, max_tokens=2)], first)
+    assert first.positions() == [8, 13, 16, 24, 30, 32, 40]
+    prompt = PROMPT[:35] + tokens(1, 12)
+    for bounds, resumed_at in [(BOUNDARIES, 32), ((13, 36), 24), ((14,), 8)]:
+        got = lru.fetch(prompt, message_boundaries=bounds)
+        assert got.num_cached == resumed_at, bounds
+        resumed = greedy(model, got.prompt_cache, got.remaining, max_tokens=3)
+        cold_cache = lru.checkpointed(make_prompt_cache(model), STEP, message_boundaries=bounds)
+        cold = greedy(model, cold_cache, prompt, max_tokens=3)
+        assert [t for t, _ in resumed] == [t for t, _ in cold]
+        assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
+        assert_same_caches(got.prompt_cache, cold_cache)
+
+
+def test_snapshots_at_message_boundaries_outlast_the_grid_ones():
+    model = fixture_model(FAMILIES["gated_deltanet"])
+    probe = CheckpointedCache(make_prompt_cache(model), STEP, 1 << 40)
+    greedy(model, probe, PROMPT[:9], max_tokens=1)
+    one = probe.snapshot_bytes
+    # The grid thins (8, 16, 32, 64: only the newest of it is left), the boundaries
+    # stay; with room for two, the oldest boundary goes too.
+    for budget, positions in [(3, [13, 30, 40]), (2, [30, 40])]:
+        prompt_cache = CheckpointedCache(make_prompt_cache(model), STEP, budget * one)
+        prompt_cache.set_message_boundaries(BOUNDARIES)
+        greedy(model, prompt_cache, PROMPT, max_tokens=1)
+        assert prompt_cache.positions() == positions and prompt_cache.snapshot_bytes <= budget * one
+
+
+def test_speculation_takes_snapshots_target_and_draft_alike():
+    """speculative_generate_step with a CheckpointedCache (a hybrid target and a hybrid
+    draft) snapshots both at the grid, and a prompt resumed from them answers as a cold
+    speculative run, caches bit for bit."""
+    model = fixture_model(FAMILIES["gated_deltanet"])
+    draft = noisy_model(FAMILIES["gated_deltanet"], 0.5)
+
+    def speculate(prompt_cache, prompt):
+        steps = speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=2, max_tokens=6,
+                                          prompt_cache=prompt_cache, prefill_step_size=STEP)
+        return [(t, lp) for t, lp, _ in steps]
+
+    lru = LRUPromptCache()
+    first = lru.checkpointed(make_prompt_cache(model) + make_prompt_cache(draft), STEP)
+    lru.insert(PROMPT + [t for t, _ in speculate(first, PROMPT)], first)
+    assert first.positions() == [8, 16, 24, 32, 40]
+    prompt = PROMPT[:20] + tokens(1, 12)
+    got = lru.fetch(prompt)
+    assert got.num_cached == 16
+    resumed = speculate(got.prompt_cache, got.remaining)
+    cold_cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    cold = speculate(cold_cache, prompt)
+    assert [t for t, _ in resumed] == [t for t, _ in cold]
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
+    assert_same_caches(got.prompt_cache, cold_cache)
+
+
+def test_an_mtp_head_refuses_a_checkpointed_cache():
+    model = build(MTP_CONFIGS["qwen3_next"])
+    prompt_cache = CheckpointedCache(make_prompt_cache(model) + model.make_mtp_cache(), STEP, 1 << 40)
+    with pytest.raises(ValueError, match="an MTP head's cache does not resume from snapshots"):
+        next(speculative_generate_step(mx.array(PROMPT), model, mtp=True, prompt_cache=prompt_cache))

@@ -242,7 +242,7 @@ def test_worker_fails_fast_and_stays_up(model_dirs, monkeypatch):
         BatchWorker(worker.provider, prompt_lookup=True)  # at startup, not at the first request
     monkeypatch.undo()
 
-    def broken(tokens):
+    def broken(tokens, **options):
         raise RuntimeError("disk on fire")
 
     served = worker.provider.default

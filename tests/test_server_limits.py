@@ -31,7 +31,7 @@ from mlx_lm.openai_api import (
     parse_request,
 )
 from mlx_lm import server as server_module
-from mlx_lm import serving
+from mlx_lm import served_model
 from mlx_lm.serving import (
     FALLBACK_PROMPT_CACHE_BYTES,
     PROMPT_CACHE_MEMORY_FRACTION,
@@ -280,9 +280,9 @@ def test_prompt_cache_byte_budget(model_dirs, monkeypatch):
     assert free is not None and free > 0  # Linux: /proc/meminfo here
     served = ModelProvider(str(model_dirs["dense"]), None, False, 10, None, None).default
     assert 0 < served.prompt_cache.max_bytes <= free
-    monkeypatch.setattr(serving, "available_memory", lambda: 4000)
+    monkeypatch.setattr(served_model, "available_memory", lambda: 4000)
     assert default_prompt_cache_bytes() == 4000 * PROMPT_CACHE_MEMORY_FRACTION
-    monkeypatch.setattr(serving, "available_memory", lambda: None)
+    monkeypatch.setattr(served_model, "available_memory", lambda: None)
     assert default_prompt_cache_bytes() == FALLBACK_PROMPT_CACHE_BYTES
     # A budget smaller than any entry: nothing is stored, answers stay exact.
     provider = ModelProvider(str(model_dirs["hybrid"]), str(model_dirs["draft"]), False, 10, 1000, None)

@@ -639,9 +639,10 @@ def test_the_last_round_drafts_the_tokens_left_as_upstream_does():
 
 def test_speculation_prefills_in_the_chunks_plain_decoding_does(monkeypatch):
     """Over 512 prompt tokens, with the defaults: the target gets the same forwards
-    as in plain decoding (both prefill in DEFAULT_PREFILL_STEP_SIZE chunks; the
-    speculative loop used 512, so its caches rounded otherwise), and the first
-    token's logprobs are bit for bit plain decoding's."""
+    as in plain decoding (both prefill in the chunks feeding.prefill cuts: for a hybrid,
+    ending at multiples of models/checkpoints.SNAPSHOT_GRID; the speculative loop used
+    512, so its caches rounded otherwise), and the first token's logprobs are bit for
+    bit plain decoding's."""
     target = model("qwen3_next_tf5")
     prompt = mx.array([(i * 53 + 7) % 256 for i in range(700)])
     calls = []
@@ -651,7 +652,7 @@ def test_speculation_prefills_in_the_chunks_plain_decoding_does(monkeypatch):
     _, plain_logprobs = next(generate_step(prompt, target))
     plain_calls, calls[:] = calls[:], []
     _, spec_logprobs, _ = next(speculative_generate_step(prompt, target, prompt_lookup=True))
-    assert calls[0] == plain_calls[0] == 699  # the whole prompt but its last token, in one chunk
+    assert calls[:6] == plain_calls[:6] == [128] * 5 + [59]  # the whole prompt but its last token
     assert mx.array_equal(plain_logprobs, spec_logprobs)
 
 

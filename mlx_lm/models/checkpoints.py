@@ -10,17 +10,30 @@ at position p and trimming the KV entries to p gives the cache a cold feed of th
 p tokens builds, and prefilling the rest from there gives what a cold run gives, bit for
 bit, because:
 
-- snapshots are taken only on the prefill grid: p is a multiple of the prefill step S
-  and every chunk before it was a whole [kS, (k + 1)S) chunk, which is how a cold
-  prefill of any longer prompt feeds those tokens. Moving a chunk boundary changes the
-  floating point result of the chunked recurrences (tests/test_checkpoints.py shows
-  it), so a position off the grid, a message boundary say, cannot be exact;
-- a prompt resumed at p is fed in chunks from p: the cold run's chunks again.
+- every prefill of a list with untrimmable entries (feeding.prefill, the server's, a
+  batch's) cuts its chunks by `chunk_end`: a chunk starting at position s ends at the
+  first of the next multiples of S (the prefill step) and of SNAPSHOT_GRID and the next
+  message boundary the prompt has (the server's, see below), so where chunks end is a
+  function of the position and the prompt's prefix only, never of where a run began;
+- a snapshot is taken only at the end of a chunk when every chunk before it was cut so
+  (the list is `on_grid`): a cold run of any prompt sharing those tokens (and their
+  message boundaries) then ends a chunk there with the same state. Moving a chunk
+  boundary changes the floating point result of the chunked recurrences
+  (tests/test_checkpoints.py shows it), so no other position can be exact;
+- a prompt resumed at p is fed in chunks from p by the same rule: the cold run's chunks.
 
-Spacing. Snapshots sit at multiples of `spacing`, at first S. When they would exceed
-the cache's byte budget the spacing doubles and the snapshots off the coarser grid go,
-so they always fit and cover a prompt of any length evenly; the newest one stays
-whatever its position (the usual shared prefix is all of a prompt but its end).
+Message boundaries. The server knows where the chat template's rendering of the
+earlier messages ends inside a prompt (a system prompt, a document, the turns before);
+`message_boundaries` (positions) end chunks and take snapshots there too. A snapshot
+remembers the boundaries at or before it, and resumes only a prompt with the same ones
+there (with others, a cold run would have cut its chunks elsewhere).
+
+Spacing. Snapshots are kept at multiples of `spacing`, at first the smaller of S and
+SNAPSHOT_GRID (chunks end at every multiple of either). When they would exceed the cache's byte budget the spacing
+doubles and the snapshots off the coarser grid go, so they always fit and cover a
+prompt of any length evenly; the newest one stays whatever its position (the usual
+shared prefix is all of a prompt but its end), and so do those at message boundaries
+until only they are left over budget (then the oldest go first).
 
 Counting. The cache counts the tokens it holds: each prefill loop calls
 `maybe_snapshot(cache, num_fed)` at its chunk boundaries (0 at its start), and the
@@ -34,7 +47,7 @@ length cannot be seen; the snapshots then describe tokens the cache no longer ho
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -47,6 +60,40 @@ from .cache import (
     SharedKVReader,
     can_trim_prompt_cache,
 )
+
+
+# Prefill chunks of a list with untrimmable entries end at multiples of this, whatever
+# the prefill step: the finest spacing of snapshots at the default step (2048), so that a
+# 2k prompt sharing all but its last 64 tokens resumes within 128 of them (256 would
+# leave up to 0.125x of a cold prefill to do). On the CPU a cold 2k prefill of the demo
+# target took no longer in 128-token chunks than in one 2048 chunk (2.2-2.5 s against
+# 2.5-2.9 s of CPU time); KV-only lists keep whole steps.
+SNAPSHOT_GRID = 128
+
+
+def chunk_end(start: int, prefill_step_size: int, message_boundaries: Sequence[int] = ()) -> int:
+    """Where a prefill chunk starting at position `start` ends when the list has
+    untrimmable entries (before the prompt's own end): the first of the next multiples
+    of the step and of SNAPSHOT_GRID and the next message boundary after `start`. The
+    step's multiples, not start + step: after a boundary the chunks fall back in line."""
+    end = min(next_multiple(start, prefill_step_size), next_multiple(start, SNAPSHOT_GRID))
+    return min([end] + [b for b in message_boundaries if b > start])
+
+
+def next_multiple(position: int, spacing: int) -> int:
+    return (position // spacing + 1) * spacing
+
+
+def first_spacing(prefill_step_size: int) -> int:
+    """The finest spacing whose multiples are all chunk ends."""
+    return min(prefill_step_size, SNAPSHOT_GRID)
+
+
+def check_message_boundaries(message_boundaries: Sequence[int]) -> Tuple[int, ...]:
+    bounds = tuple(message_boundaries)
+    if any(not isinstance(b, int) or b < 1 for b in bounds) or list(bounds) != sorted(set(bounds)):
+        raise ValueError(f"message boundaries must be increasing positive token positions, got {list(bounds)}")
+    return bounds
 
 
 def always_trimmable(entry: Any) -> bool:
@@ -121,18 +168,29 @@ def _restore(entry: Any, saved: Saved, num_later: int) -> Any:
 @dataclass(eq=False)
 class Snapshot:
     """The untrimmable entries of a cache list after its first `position` tokens; one
-    Saved per entry. Shared, never changed, by the copies of the cache it was taken of."""
+    Saved per entry. Shared, never changed, by the copies of the cache it was taken of.
+    `message_boundaries`: those its chunks were cut at (all at or before `position`)."""
 
     position: int
     saved: List[Saved]
     nbytes: int
+    message_boundaries: Tuple[int, ...] = ()
 
     @classmethod
-    def take(cls, entries: List[Any], position: int) -> "Snapshot":
+    def take(cls, entries: List[Any], position: int, message_boundaries: Sequence[int] = ()) -> "Snapshot":
         saved = [_save(e) for e in entries]
         arrays = _arrays([s[1] for s in _flat_saved(saved)])
         mx.eval(arrays)
-        return cls(position, saved, sum(a.nbytes for a in arrays))
+        bounds = tuple(b for b in message_boundaries if b <= position)
+        return cls(position, saved, sum(a.nbytes for a in arrays), bounds)
+
+    @property
+    def at_message(self) -> bool:
+        return self.message_boundaries[-1:] == (self.position,)
+
+    def resumes(self, message_boundaries: Sequence[int]) -> bool:
+        """Whether a prompt with these message boundaries is cut as this one was up to here."""
+        return tuple(b for b in message_boundaries if b <= self.position) == self.message_boundaries
 
 
 def _flat_saved(saved: List[Saved]) -> List[Tuple[type, Any, Any]]:
@@ -168,12 +226,13 @@ def _same_arrays(seen: List[Optional[weakref.ref]], arrays: List[Optional[mx.arr
 
 class CheckpointedCache(RewindableCacheList):
     """A model's cache list plus exact snapshots of its untrimmable entries (see the
-    module docstring), within `max_bytes`, on the grid of `prefill_step_size`.
+    module docstring), within `max_bytes`, for prefills in steps of `prefill_step_size`.
 
     `num_tokens`: the tokens it holds as counted (None: unknown, see held_tokens);
     `on_grid`: it holds what a cold prefill holds after those tokens (every chunk so
-    far a whole grid chunk), so a snapshot taken now is exact; `snapshots`: by
-    position. Positions are counted from the first token the list holds."""
+    far cut by chunk_end), so a snapshot taken now is exact; `snapshots`: by
+    position; `message_boundaries`: the current prompt's (set_message_boundaries).
+    Positions are counted from the first token the list holds."""
 
     def __init__(self, entries: List[Any], prefill_step_size: int, max_bytes: int, *, num_tokens: int = 0,
                  on_grid: Optional[bool] = None):
@@ -186,8 +245,9 @@ class CheckpointedCache(RewindableCacheList):
         super().__init__(entries)
         self.prefill_step_size = prefill_step_size
         self.max_bytes = max_bytes
-        self.spacing = prefill_step_size
+        self.spacing = first_spacing(prefill_step_size)
         self.snapshots: Dict[int, Snapshot] = {}
+        self.message_boundaries: Tuple[int, ...] = ()
         self.num_tokens: Optional[int] = num_tokens
         # Unless told, only an empty list is known to hold a cold prefill's state.
         self.on_grid = num_tokens == 0 if on_grid is None else on_grid
@@ -200,9 +260,26 @@ class CheckpointedCache(RewindableCacheList):
     def positions(self) -> List[int]:
         return sorted(self.snapshots)
 
-    def nearest(self, limit: int) -> Optional[int]:
-        """The largest snapshot position <= limit, or None."""
-        return max((p for p in self.snapshots if p <= limit), default=None)
+    def nearest(self, limit: int, message_boundaries: Sequence[int] = ()) -> Optional[int]:
+        """The largest snapshot position <= limit that resumes a prompt with these
+        message boundaries, or None."""
+        return max((p for p, s in self.snapshots.items() if p <= limit and s.resumes(message_boundaries)),
+                   default=None)
+
+    def set_message_boundaries(self, message_boundaries: Sequence[int]) -> None:
+        """The boundaries of the prompt it is about to be fed (absolute positions):
+        chunks end and snapshots are taken there. Where those at or before what it
+        holds differ from the ones it was cut at, it is off the grid from now on."""
+        bounds = check_message_boundaries(message_boundaries)
+        held = self.num_tokens
+        if held is None or [b for b in bounds if b <= held] != [b for b in self.message_boundaries if b <= held]:
+            self.on_grid = False
+        self.message_boundaries = bounds
+
+    def chunk_origin(self) -> Optional[int]:
+        """The position the next prefill chunk starts at, or None where unknown."""
+        self._recount()
+        return self.num_tokens
 
     def _recount(self, just_fed: bool = False) -> None:
         """Check the count against what the entries show (module docstring): tokens
@@ -259,25 +336,32 @@ class CheckpointedCache(RewindableCacheList):
             self._recount()  # a prefill starts, the count is lost, or a second hook told of this chunk
             return
         start, self.num_tokens = self.num_tokens, self.num_tokens + num_fed
-        # A cold prefill feeds [kS, (k + 1)S): a shorter chunk is a prompt's last one,
-        # a longer one another step's; after either the grid is lost.
-        self.on_grid = self.on_grid and start % self.prefill_step_size == 0 and num_fed == self.prefill_step_size
+        # A shorter chunk is a prompt's last one, a longer one another step's (or
+        # another rule's); after either the grid is lost.
+        expected = chunk_end(start, self.prefill_step_size, self.message_boundaries)
+        self.on_grid = self.on_grid and start + num_fed == expected
         self._recount(just_fed=True)
         if self.on_grid:
-            self._add(Snapshot.take(self, self.num_tokens))
+            self._add(Snapshot.take(self, self.num_tokens, self.message_boundaries))
 
     def _add(self, snapshot: Snapshot) -> None:
         """Keep `snapshot` as the newest; thin the others to fit the budget."""
         if snapshot.nbytes > self.max_bytes:
             return
         newest = max(self.snapshots, default=None)
-        if newest is not None and newest % self.spacing:
+        if newest is not None and not self._on_spacing(self.snapshots[newest]):
             del self.snapshots[newest]  # it stayed only as the newest
         self.snapshots[snapshot.position] = snapshot
         while self.snapshot_bytes > self.max_bytes:
-            self.spacing *= 2
-            self.snapshots = {p: s for p, s in self.snapshots.items()
-                              if p % self.spacing == 0 or p == snapshot.position}
+            if self.spacing < snapshot.position:  # a coarser spacing still thins
+                self.spacing *= 2
+                self.snapshots = {p: s for p, s in self.snapshots.items()
+                                  if self._on_spacing(s) or p == snapshot.position}
+            else:  # only message boundaries (and the newest) left: the oldest goes
+                del self.snapshots[min(p for p in self.snapshots if p != snapshot.position)]
+
+    def _on_spacing(self, snapshot: Snapshot) -> bool:
+        return snapshot.position % self.spacing == 0 or snapshot.at_message
 
     def _entries_at(self, position: int, held: int) -> List[Any]:
         """New entries holding the first `position` of the `held` tokens."""
@@ -300,7 +384,9 @@ class CheckpointedCache(RewindableCacheList):
         restored = position < held
         copy = CheckpointedCache(self._entries_at(position, held), self.prefill_step_size, self.max_bytes,
                                  num_tokens=position, on_grid=restored or self.on_grid)
+        # Restored, it was cut at the snapshot's boundaries (set_message_boundaries checks the next prompt's).
         copy.spacing = self.spacing
+        copy.message_boundaries = self.snapshots[position].message_boundaries if restored else self.message_boundaries
         copy.snapshots = {p: s for p, s in self.snapshots.items() if p <= position}
         return copy
 
@@ -324,9 +410,50 @@ class CheckpointedCache(RewindableCacheList):
         position = held - num_tokens
         self[:] = self._entries_at(position, held)
         self.num_tokens, self.on_grid = position, True
+        self.message_boundaries = self.snapshots[position].message_boundaries
         self._forget_after(position)
         self._seen = _identities(_recurrent_arrays(self))
         return num_tokens
+
+
+class PrefillChunks:
+    """How a prefill loop cuts a prompt fed to `prompt_cache`: by chunk_end from the
+    position the list holds where it has untrimmable entries (a CheckpointedCache's
+    message boundaries too), else in whole steps. Where a recurrent-only list does not
+    know its position (fed past the hooks) positions count from this prefill's start:
+    such a list takes no snapshots, and any cut is as good."""
+
+    def __init__(self, prompt_cache: List[Any], prefill_step_size: int):
+        self.step = prefill_step_size
+        self.message_boundaries: Tuple[int, ...] = ()
+        self.origin: Optional[int] = None  # None: whole steps
+        if isinstance(prompt_cache, CheckpointedCache):
+            self.origin = prompt_cache.chunk_origin() or 0
+            self.message_boundaries = prompt_cache.message_boundaries
+        elif not all(always_trimmable(c) for c in prompt_cache):
+            self.origin = held_by_rows(prompt_cache) or 0
+
+    def size(self, done: int, num_left: int) -> int:
+        """The tokens of the next chunk, `done` tokens into this prefill with `num_left`
+        still to feed before the last."""
+        if self.origin is None:
+            return min(self.step, num_left)
+        start = self.origin + done
+        return min(chunk_end(start, self.step, self.message_boundaries) - start, num_left)
+
+    def segments(self, tokens: List[int]) -> List[List[int]]:
+        """`tokens` (what this prefill feeds) as segments for a loop that cuts whole
+        steps from each segment's start (BatchGenerator.insert_segments) and so cuts
+        them into these chunks: a segment ends only after a chunk shorter than a step
+        (a grid or message boundary), so there are at most as many as those."""
+        segments, done, start = [], 0, 0
+        while done < len(tokens):
+            n = self.size(done, len(tokens) - done)
+            done += n
+            if n < self.step or done == len(tokens):
+                segments.append(tokens[start:done])
+                start = done
+        return segments
 
 
 def maybe_snapshot(prompt_cache: List[Any], num_fed: int) -> None:
