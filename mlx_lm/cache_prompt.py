@@ -7,14 +7,20 @@ The file has upstream's layout (`models/cache.save_prompt_cache`) and this metad
 - "model_type" and "model_fingerprint": which model made the cache. generate refuses a
   cache whose fingerprint is not that of the model it runs (files without one, e.g.
   from upstream, must name the same --model);
-- "prompt" (the cached text) and "prompt_tokens" (JSON list of the cached token ids).
+- "prompt" (the cached text) and "prompt_tokens" (JSON list of the cached token ids);
+- for a model with recurrent or sliding-window layers, which cannot give tokens back,
+  snapshots of those layers taken while the prompt was fed (models/checkpoints.py),
+  within --snapshot-mb, in the way models/checkpoint_files.py keeps them: upstream's
+  loader ignores them, and its metadata gets one more key.
 
 The cached prompt is formatted like generate's but with the user message left open
 (`continue_final_message`). generate then formats `cached text + new prompt` exactly
 as it would without a cache and feeds only what follows the longest common prefix with
 the cached tokens, trimming the cache back where the two differ (where the template
-closes the message, or a token merges across the join). So generating from the cache
-gives what generating from the whole prompt gives. A file without "prompt_tokens"
+closes the message, or a token merges across the join): a cache with recurrent layers
+goes back to its nearest snapshot at or before there. So generating from the cache
+gives what generating from the whole prompt gives (bit for bit where the cache was
+filled in the chunks generate's prefill cuts, which fill_cache does). A file without "prompt_tokens"
 (upstream's) is continued with the new prompt's raw tokens, without a chat template.
 """
 
@@ -45,12 +51,15 @@ from .feeding import DEFAULT_PREFILL_STEP_SIZE
 from .models.cache import (
     can_trim_prompt_cache,
     check_kv_quantization,
-    load_prompt_cache,
     make_prompt_cache,
     maybe_quantize_kv_cache,
-    save_prompt_cache,
     trim_prompt_cache,
 )
+from .models.checkpoint_files import load_checkpointed, save_checkpointed
+from .models.checkpoints import CheckpointedCache, PrefillChunks, always_trimmable, maybe_snapshot
+
+# What the snapshots of a cached prompt may take by default (the newest is always kept).
+DEFAULT_SNAPSHOT_MB = 1024
 from .tokenizer_utils import TokenizerWrapper
 
 
@@ -84,12 +93,28 @@ def fill_cache(
     model: nn.Module, tokens: List[int], prompt_cache: List[Any], quantize_kv: Callable[[List[Any]], None],
     step_size: int = DEFAULT_PREFILL_STEP_SIZE,
 ) -> None:
-    """Feed every token through the model into `prompt_cache`, in chunks."""
-    for start in range(0, len(tokens), step_size):
-        model(mx.array(tokens[start : start + step_size])[None], cache=prompt_cache)
+    """Feed every token through the model into `prompt_cache`, in the chunks a prefill
+    cuts (feeding.prefill), a CheckpointedCache taking its snapshots."""
+    chunks, done = PrefillChunks(prompt_cache, step_size), 0
+    maybe_snapshot(prompt_cache, 0)
+    while done < len(tokens):
+        n = chunks.size(done, len(tokens) - done)
+        model(mx.array(tokens[done : done + n])[None], cache=prompt_cache)
         quantize_kv(prompt_cache)
         mx.eval([c.state for c in prompt_cache])
+        done += n
+        maybe_snapshot(prompt_cache, n)
         mx.clear_cache()
+
+
+def checkpointed_cache(prompt_cache: List[Any], snapshot_mb: int) -> List[Any]:
+    """A fresh cache that keeps snapshots of its untrimmable entries within
+    `snapshot_mb` MiB; as it is where all trim, or with no budget."""
+    if snapshot_mb < 0:
+        raise ValueError(f"--snapshot-mb must be >= 0, got {snapshot_mb}")
+    if snapshot_mb == 0 or all(always_trimmable(c) for c in prompt_cache):
+        return prompt_cache
+    return CheckpointedCache(prompt_cache, DEFAULT_PREFILL_STEP_SIZE, snapshot_mb << 20)
 
 
 def tokens_after_cache(prompt_cache: List[Any], cached_tokens: List[int], full_tokens: List[int]) -> List[int]:
@@ -99,15 +124,24 @@ def tokens_after_cache(prompt_cache: List[Any], cached_tokens: List[int], full_t
     common, limit = 0, min(len(cached_tokens), len(full_tokens) - 1)
     while common < limit and cached_tokens[common] == full_tokens[common]:
         common += 1
-    excess = len(cached_tokens) - common
-    if excess and not can_trim_prompt_cache(prompt_cache):
+    if common < len(cached_tokens) and not can_trim_prompt_cache(prompt_cache):
+        common = _snapshot_at_or_before(prompt_cache, common, len(cached_tokens))
+    trim_prompt_cache(prompt_cache, len(cached_tokens) - common)
+    return full_tokens[common:]
+
+
+def _snapshot_at_or_before(prompt_cache: List[Any], common: int, num_cached: int) -> int:
+    """Where a cache that cannot trim goes back to for a prompt sharing `common` of its
+    `num_cached` tokens: its nearest snapshot (a CheckpointedCache), else ValueError."""
+    position = prompt_cache.nearest(common) if isinstance(prompt_cache, CheckpointedCache) else None
+    if position is None:
         kinds = sorted({type(c).__name__ for c in prompt_cache if not c.is_trimmable()})
         raise ValueError(
-            f"The prompt differs from the cached one from token {common} of {len(cached_tokens)} on, and the "
-            f"cache cannot be trimmed back ({', '.join(kinds)}); start the prompt with the cached text"
+            f"The prompt differs from the cached one from token {common} of {num_cached} on, and the cache "
+            f"cannot be trimmed back ({', '.join(kinds)}) nor has a snapshot at or before there; start the "
+            "prompt with the cached text, or remake the cache with mlx_lm.cache_prompt (which keeps snapshots)"
         )
-    trim_prompt_cache(prompt_cache, excess)
-    return full_tokens[common:]
+    return position
 
 
 @dataclass
@@ -147,7 +181,7 @@ class CachedPrompt:
 def load_cached_prompt(path: str, model: nn.Module, model_name: str) -> CachedPrompt:
     """Load a cache file for `model` (loaded from `model_name`); a cache made by another
     model is refused with a ValueError naming both."""
-    prompt_cache, metadata = load_prompt_cache(path, return_metadata=True)
+    prompt_cache, metadata = load_checkpointed(path)
     made_for = metadata.get("model", "an unnamed model")
     fingerprint = metadata.get("model_fingerprint")
     same = fingerprint == model_fingerprint(model) if fingerprint is not None else made_for == model_name
@@ -187,6 +221,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
     parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
                         help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
+    parser.add_argument("--snapshot-mb", type=int, default=DEFAULT_SNAPSHOT_MB,
+                        help="MiB the snapshots of recurrent and sliding-window layers may take in the file, so "
+                             "that a prompt differing near the end of the cached one resumes from them (0: none)")
     return parser
 
 
@@ -200,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         tokens = format_cached_prompt(
             tokenizer, prompt, args.system_prompt, not args.ignore_chat_template, args.chat_template_config or {}
         )
-        prompt_cache = make_prompt_cache(model, max_kv_size=args.max_kv_size)
+        prompt_cache = checkpointed_cache(make_prompt_cache(model, max_kv_size=args.max_kv_size), args.snapshot_mb)
         if args.kv_bits is not None:
             check_kv_quantization(prompt_cache, args.kv_group_size, args.kv_bits, args.quantized_kv_start)
         quantize_kv = functools.partial(
@@ -216,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "prompt": prompt,
             "prompt_tokens": json.dumps(tokens),
         }
-        save_prompt_cache(args.prompt_cache_file, prompt_cache, metadata)
+        save_checkpointed(args.prompt_cache_file, prompt_cache, metadata)
         saved_file = Path(args.prompt_cache_file)
         if saved_file.suffix != ".safetensors":  # MLX appends the suffix
             saved_file = saved_file.with_name(saved_file.name + ".safetensors")
