@@ -1,9 +1,10 @@
 """Drafters that run inside a batch (batching.BatchGenerator), one protocol for all:
 prompt lookup on the host, and on the device a draft model or the target's own
 multi-token-prediction head. A device drafter keeps its cache entries after the
-target's in every row's cache list, drafts every row greedily in K single-token steps
-(a point mass, so sampling rows keep the target's law), and after the verify keeps,
-per row, what the target kept.
+target's in every row's cache list, drafts every row in K single-token steps (greedy
+rows the argmax, a point mass; unseeded sampling rows a draw from their own law q, so
+that speculative sampling accepts what q and the target's law share), and after the
+verify keeps, per row, what the target kept.
 
 Both sit out plain steps: what they missed is fed in one forward when they next draft,
 before rows join or leave, and after MAX_LAG of them (`catch_up`), so that every row's
@@ -18,6 +19,7 @@ from .drafters import PromptLookup, check_mtp_head
 from .feeding import ids_within
 from .models.batch_cache import bookkeeping, make_room, trim_rows
 from .models.cache import make_prompt_cache
+from .sample_utils import CategoricalSampler
 
 # Plain steps a drafter sits out before it is fed them anyway (in one forward), even
 # while no row drafts (rows with logits processors never do): its caches stay those of
@@ -26,17 +28,38 @@ from .models.cache import make_prompt_cache
 MAX_LAG = 16
 
 # What a round's drafting returns: the (B, K + 1) columns to verify (each row's token,
-# its drafts, then its token again as padding) and how to read the drafts, once run.
-Drafts = Tuple[mx.array, Callable[[], List[List[int]]]]
+# its drafts, then its token again as padding), how to read the drafts, once run, and
+# the (B, K, V) log-laws they were drawn from (None: point masses, every row greedy).
+Drafts = Tuple[mx.array, Callable[[], List[List[int]]], Optional[mx.array]]
+
+# Per row, the sampler whose law it drafts from (speculative sampling against its real
+# q), or None: it drafts the argmax, a point mass (greedy rows, seeded rows, whose
+# tokens must not depend on their drafts, and rows without a law to sample).
+DraftSamplers = Optional[List[Optional[CategoricalSampler]]]
 
 
-def _columns(fed: List[int], drafted: mx.array, rooms: List[int]) -> Drafts:
+def _columns(fed: List[int], drafted: mx.array, rooms: List[int], laws: Optional[List[mx.array]] = None) -> Drafts:
     """Columns built on the device (so the verify queues behind the drafts without a
     sync) from the (B, K) drafted tokens; row i keeps its first rooms[i]."""
     first = mx.array(fed, dtype=mx.uint32)[:, None]
     kept = mx.arange(drafted.shape[1])[None] < mx.array(rooms)[:, None]
     columns = mx.concatenate([first, mx.where(kept, drafted, first)], axis=1)
-    return columns, lambda: [d[:room] for d, room in zip(drafted.tolist(), rooms)]
+    stacked = None if laws is None else mx.stack(laws, axis=1)
+    return columns, lambda: [d[:room] for d, room in zip(drafted.tolist(), rooms)], stacked
+
+
+def draw_drafts(logits: mx.array, samplers: DraftSamplers) -> Tuple[mx.array, Optional[mx.array]]:
+    """(B, V) draft logits -> (B,) drafts and their (B, V) log-laws: the argmax for rows
+    without a sampler (their law row is unused), a draw from the sampler's law for the
+    others; laws None when no row samples."""
+    greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    if samplers is None or all(s is None for s in samplers):
+        return greedy, None
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    laws = [logprobs[i : i + 1] if s is None else s.distribution(logprobs[i : i + 1]) for i, s in enumerate(samplers)]
+    tokens = [greedy[i : i + 1] if s is None else mx.random.categorical(law).astype(mx.uint32)
+              for i, (s, law) in enumerate(zip(samplers, laws))]
+    return mx.concatenate(tokens), mx.concatenate(laws)
 
 
 def _host_columns(fed: List[int], drafts: List[List[int]]) -> Drafts:
@@ -44,7 +67,7 @@ def _host_columns(fed: List[int], drafts: List[List[int]]) -> Drafts:
     again as padding."""
     width = max(map(len, drafts))
     columns = mx.array([[t] + d + [t] * (width - len(d)) for t, d in zip(fed, drafts)], dtype=mx.uint32)
-    return columns, lambda: drafts
+    return columns, lambda: drafts, None
 
 
 class BatchPromptLookup:
@@ -90,9 +113,10 @@ class BatchPromptLookup:
                 lookup.extend([token])
         self.lag = []
 
-    def draft(self, cache: List[Any], fed: List[int], rooms: List[int]) -> Optional[Drafts]:
-        """Each row's continuation of its latest n-gram (at most its room); None if no
-        row found one (the step is then plain)."""
+    def draft(self, cache: List[Any], fed: List[int], rooms: List[int],
+              samplers: DraftSamplers = None) -> Optional[Drafts]:
+        """Each row's continuation of its latest n-gram (at most its room), point
+        masses; None if no row found one (the step is then plain)."""
         self.catch_up(cache)
         drafts = [lookup.lookup(room) if room > 0 else [] for lookup, room in zip(self.lookups, rooms)]
         return _host_columns(fed, drafts) if any(drafts) else None
@@ -166,20 +190,21 @@ class BatchDraftModel:
         self.model(self._ids(tokens), cache=cache)
         mx.async_eval([c.state for c in cache], bookkeeping(cache))
 
-    def draft(self, cache: List[Any], fed: List[int], rooms: List[int]) -> Drafts:
+    def draft(self, cache: List[Any], fed: List[int], rooms: List[int], samplers: DraftSamplers = None) -> Drafts:
         """K = the largest room steps for all rows at once."""
         num_steps = max(rooms)
         self.catch_up(cache)
         # Room for the whole round now: a window may only drop columns before it begins
         # (the rollback goes back to its start).
         make_room(cache, num_steps + 1)
-        token, steps = mx.array(fed, dtype=mx.uint32), []
+        token, steps, laws = mx.array(fed, dtype=mx.uint32), [], []
         for _ in range(num_steps):
             logits = self.model(self._ids(token)[:, None], cache=cache)[:, -1, : self.target_vocab_size]
-            token = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            token, law = draw_drafts(logits, samplers)
             steps.append(token)
+            laws.append(law)
         self.drafted = mx.stack(steps, axis=1)  # (B, K): the draft fed all but the last
-        return _columns(fed, self.drafted, rooms)
+        return _columns(fed, self.drafted, rooms, None if laws[0] is None else laws)
 
     def settle(self, cache: List[Any], columns: mx.array, num_accepted: List[int], kept: List[int],
                sampled: mx.array, hidden: Optional[mx.array]) -> None:
@@ -314,17 +339,20 @@ class BatchMTPHead:
             merged.append((tokens, hidden, keep))
         return merged
 
-    def draft(self, cache: List[Any], fed: List[int], rooms: List[int]) -> Drafts:
+    def draft(self, cache: List[Any], fed: List[int], rooms: List[int], samplers: DraftSamplers = None) -> Drafts:
         """The pending pair of each row (fed: it predicts the token after `fed`), then
         the head on its own output and its last draft, K = the largest room."""
         self.catch_up(cache)
         out, logits = self._feed(cache, *self.pending)  # the target's own table
-        steps = [mx.argmax(logits[:, -1], axis=-1).astype(mx.uint32)]
+        token, law = draw_drafts(logits[:, -1], samplers)
+        steps, laws = [token], [law]
         for _ in range(max(rooms) - 1):
             out, logits = self._feed(cache, steps[-1][:, None], out)
-            steps.append(mx.argmax(logits[:, -1], axis=-1).astype(mx.uint32))
+            token, law = draw_drafts(logits[:, -1], samplers)
+            steps.append(token)
+            laws.append(law)
         self.num_drafting = len(steps) - 1
-        return _columns(fed, mx.stack(steps, axis=1), rooms)
+        return _columns(fed, mx.stack(steps, axis=1), rooms, None if laws[0] is None else laws)
 
     def settle(self, cache: List[Any], columns: mx.array, num_accepted: List[int], kept: List[int],
                sampled: mx.array, hidden: mx.array) -> None:

@@ -18,6 +18,7 @@ from .batch_rows import Row, RowTable, draws, run_target
 from .draft_length import BatchDraftLengthPolicy
 from .feeding import processed_logprobs
 from .models.batch_cache import bookkeeping, make_room, trim_rows
+from .sample_utils import CategoricalSampler
 
 
 class QueuedRound(NamedTuple):
@@ -28,6 +29,7 @@ class QueuedRound(NamedTuple):
     logits: mx.array  # the verify's, lazy
     hidden: Optional[mx.array]  # the verify's final hidden states, for an MTP head
     read_drafts: Callable[[], List[List[int]]]  # each row's drafts, once computed
+    draft_laws: Optional[mx.array]  # (B, K, V) the log-laws they were drawn from (None: point masses)
     top: float  # when it was queued
 
 
@@ -42,19 +44,28 @@ class Decision:
     logprobs: mx.array
 
 
-def decide_row(row: Row, drafts: List[int], logits: mx.array, fed: mx.array,
-               emitted: bool) -> Tuple[mx.array, mx.array, mx.array]:
+def draft_sampler(row: Row) -> Optional[CategoricalSampler]:
+    """The law a row's device drafter draws its drafts from: its own sampler's, unless
+    it is greedy or seeded (a seeded row's tokens must not depend on its drafts, so it
+    matches point masses against its own seeded draws)."""
+    return row.sampler if isinstance(row.sampler, CategoricalSampler) and row.seed is None else None
+
+
+def decide_row(row: Row, drafts: List[int], logits: mx.array, fed: mx.array, emitted: bool,
+               draft_laws: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, mx.array]:
     """A row's round (lazy): accepted count (), token (1,), logprobs (K + 1, V) from
     its verify logits (K + 1, V), its processors applied at each position to what
     plain decoding would show them (its history, `fed` (1,) if `emitted`, the drafts
-    before). A sampling row's draws are its own (seeded keys), so with point-mass
-    drafts its token matching is speculative sampling and its tokens do not depend on
-    what was drafted."""
+    before). Drafts drawn from the row's law (`draft_laws` (K, V)) are decided by
+    speculative sampling against it; point-mass drafts by matching the row's own draws
+    (seeded keys: which for point masses is speculative sampling too, and a seeded
+    row's tokens then do not depend on what was drafted)."""
     if row.history is not None and emitted:
         row.history = mx.concatenate([row.history, fed])
     drafted = mx.array(drafts, dtype=mx.uint32)
     logprobs = processed_logprobs(logits[: len(drafts) + 1], row.history, drafted, row.processors)
-    num_accepted, token = accept(logprobs, drafted, None, row.sampler, draw=lambda lp: draws(row, lp))
+    laws = None if draft_laws is None or draft_sampler(row) is None else draft_laws[: len(drafts)]
+    num_accepted, token = accept(logprobs, drafted, laws, row.sampler, draw=lambda lp: draws(row, lp))
     return num_accepted, token[None], logprobs
 
 
@@ -101,13 +112,18 @@ class Rounds:
         k = self.policy.choose(len(self.table), following)
         return [min(cap, k) for cap in caps]
 
+    def draft_samplers(self) -> Optional[List[Optional[CategoricalSampler]]]:
+        """Each row's law to draft from (draft_sampler), None if every row drafts point masses."""
+        samplers = [draft_sampler(row) for row in self.table.rows]
+        return samplers if any(s is not None for s in samplers) else None
+
     def queue(self, fed: List[int], columns: mx.array, read_drafts: Callable[[], List[List[int]]],
-              top: float) -> QueuedRound:
+              draft_laws: Optional[mx.array], top: float) -> QueuedRound:
         """The verify of every row's token and drafts (`columns`, (B, K + 1)), queued."""
         make_room(self.table.target_caches, columns.shape[1])
         hidden, logits = run_target(self.model, self.table.drafter, columns, self.table.target_caches)
         mx.async_eval(logits)
-        return QueuedRound(fed, columns, logits, hidden, read_drafts, top)
+        return QueuedRound(fed, columns, logits, hidden, read_drafts, draft_laws, top)
 
     def queue_ahead(self, rows_waiting: bool) -> None:
         """Queue the next round's drafts and verify as
@@ -124,7 +140,7 @@ class Rounds:
             self.plain_next = len(table)
             return
         fed = table.tokens.tolist()
-        drafted = table.drafter.draft(table.draft_caches, fed, rooms)
+        drafted = table.drafter.draft(table.draft_caches, fed, rooms, self.draft_samplers())
         if drafted is None:  # (prompt lookup found nothing)
             self.plain_next = len(table)
             return
@@ -144,7 +160,9 @@ class Rounds:
     def decide(self, queued: QueuedRound) -> List[Decision]:
         """Every row's outcome, with the round's one sync."""
         table, drafts = self.table, queued.read_drafts()
-        lazy = [decide_row(row, drafts[i], queued.logits[i], table.tokens[i : i + 1], table.emit[i])
+        laws = queued.draft_laws
+        lazy = [decide_row(row, drafts[i], queued.logits[i], table.tokens[i : i + 1], table.emit[i],
+                           None if laws is None else laws[i])
                 for i, row in enumerate(table.rows)]
         counts = mx.stack([n for n, _, _ in lazy])
         mx.eval(counts, [token for _, token, _ in lazy])

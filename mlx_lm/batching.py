@@ -389,7 +389,7 @@ class BatchGenerator:
                 caught_up = time.perf_counter()
                 table.catch_up()
                 top += time.perf_counter() - caught_up
-                drafted = self._drafter.draft(table.draft_caches, fed, rooms)
+                drafted = self._drafter.draft(table.draft_caches, fed, rooms, rounds.draft_samplers())
                 if drafted is not None:  # (prompt lookup may find nothing)
                     return self._finish_round(rounds.queue(fed, *drafted, top))
         return self._plain_step(top)

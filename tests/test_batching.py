@@ -718,3 +718,22 @@ def test_recurrent_rows_roll_back_by_their_own_counts_in_one_replay(name, monkey
         solo_cache = make_prompt_cache(model)
         model(mx.array(p + f[:k])[None], cache=solo_cache)
         assert_same_caches(extract_caches(batch, i), solo_cache)
+
+
+def test_sampling_rows_draft_from_their_own_law():
+    """An unseeded sampling row's device drafter draws its drafts from the row's law q
+    and the round decides them by speculative sampling: with the target as its own
+    draft, p = q (up to the rounding of a verify against a single step) and every draft
+    passes; a seeded row drafts point masses and matches its own draws, so fewer do."""
+    model = tiny_model("qwen3")
+
+    def acceptance(seed):
+        generator = BatchGenerator(model, sampler=make_sampler(temp=1.0), draft_model=model,
+                                   fixed_draft_length=True, num_draft_tokens=3)
+        generator.insert([prompt(5, 3), prompt(6, 4)], max_tokens=24, seeds=[seed, seed])
+        run(generator)
+        stats = generator.stats()
+        return stats.accepted_tokens / stats.draft_tokens
+
+    real_q, point_masses = acceptance(None), acceptance(7)
+    assert real_q > 0.95 and point_masses < real_q - 0.1

@@ -442,13 +442,17 @@ def test_mtp_in_the_batch_equals_solo_and_drafts_as_solo(checkpoints, family):
     assert 0 < generator.stats().accepted_tokens < generator.stats().draft_tokens
 
 
-def test_a_head_no_row_uses_lags_by_a_bounded_chunk(checkpoints):
-    """Rows with logits processors never draft: the head still gets their pairs, at
-    most MAX_LAG plain steps late (not all at the end in one (B, L) forward), so a
-    returned head cache holds the pairs of the row's tokens but the last."""
+def test_a_head_no_row_uses_lags_by_a_bounded_chunk(checkpoints, monkeypatch):
+    """A head no round drafts with (the policy pinned to plain steps, as it chooses when
+    drafting does not pay) still gets the rows' pairs, at most MAX_LAG plain steps late
+    (not all at the end in one (B, L) forward), so a returned head cache holds the
+    pairs of the row's tokens but the last."""
     from mlx_lm import batch_drafters
     from mlx_lm.batching import BatchGenerator
+    from mlx_lm.draft_length import BatchDraftLengthPolicy
     from mlx_lm.sample_utils import make_repetition_penalty
+
+    monkeypatch.setattr(BatchDraftLengthPolicy, "choose", lambda self, batch_size, rows: 0)
 
     model = load_family(checkpoints, "qwen3_next")
     penalty = [make_repetition_penalty(1.3)]
