@@ -3,7 +3,8 @@ same prompt cold: prefix reuse on hybrid and recurrent models (issue 33), this p
 and upstream mlx-lm 0.32.2 side by side.
 
     python benchmarks/prefix_reuse.py [--lengths 2048 8192 32768] [--models demo mamba2]
-                                      [--steps 2048] [--peer-lengths 2048 8192]
+                                      [--steps 2048] [--forms tokens chat]
+                                      [--peer-lengths [2048 8192]]
                                       [--no-peer] [--peer-venv DIR]
 
 For each model and prompt length L, as a server does it: a first request (a document
@@ -11,9 +12,14 @@ of L - 64 tokens, then a 64-token question) is prefilled into a fresh cache and 
 with its greedy answer; a second request, the same document with another question, is
 then answered through the prompt cache (resuming where the cache allows) and cold (a
 fresh cache). Time to first token counts the lookup and copy, the prefill and the first
-token. This project runs at its defaults: `load` (float32 on the CPU), the fast BLAS
+token. Two forms of the same ids: `tokens`, a token prompt (as /v1/completions sends
+it: no message boundaries), and `chat`, the document its own message (a system prompt,
+an earlier turn) and the question the last one: the server then knows where the
+document ends and passes it as a message boundary (prefill chunks end there, and a
+snapshot is taken there), here to the first, the resumed and the cold request alike.
+This project runs at its defaults: `load` (float32 on the CPU), the fast BLAS
 `import mlx_lm` loads (fast_blas.py), the server's prompt-cache budget
-(`serving.default_prompt_cache_bytes`, half of it for snapshots), prefill step 2048;
+(`served_model.default_prompt_cache_bytes`, half of it for snapshots), prefill step 2048;
 `--steps` adds other steps. Its two answers (16 greedy tokens) must be identical and
 the first token's logprobs equal bit for bit: the run fails otherwise (after writing
 the table, which says DIFFER).
@@ -21,14 +27,16 @@ the table, which says DIFFER).
 The peer is upstream mlx-lm 0.32.2 in its own virtual environment (`--peer-venv`,
 created with `pip install mlx-lm==0.32.2 mlx[cpu]` on first use) and driven as a
 subprocess, prefix_reuse_peer.py, making the calls its server makes (`LRUPromptCache`,
-`fetch_nearest_cache`, `generate_step`) on the same token ids. It reads the weights
-this project computes with, written out: float32 (upstream keeps a checkpoint's dtype,
-and the demo's float16 runs ~3x slower on the CPU), in the MLX layout, without the
-demo's MTP head (upstream refuses weights it does not know). Its BLAS is its mlx wheel's own; set MLX_LM_REFERENCE_BLAS=1
+`fetch_nearest_cache`, `generate_step`) on the same token ids; in the chat form it
+stores the document as its server stores a chat request's system messages (a "system"
+segment), which it can reuse. It reads the weights this project computes with, written
+out: float32 (upstream keeps a checkpoint's dtype, and the demo's float16 runs ~3x
+slower on the CPU), in the MLX layout, without the demo's MTP head (upstream refuses
+weights it does not know). Its BLAS is its mlx wheel's own; set MLX_LM_REFERENCE_BLAS=1
 to run this project on the same one. Its first request is its cold time (the second is
-as long). It runs only at `--peer-lengths` (by default not at 32k: its CPU prefill of
-a recurrent layer steps token by token, many minutes a request at 32k, and it re-prefills
-a shared prefix at every length, so the ratio it would show there is its ~1x again).
+as long). It runs only at `--peer-lengths` (by default not at 32k: its CPU prefill of a
+Gated DeltaNet layer steps token by token, and a cold request takes it many minutes
+there; for a token prompt it re-prefills a shared prefix at every length anyway).
 Each process first answers an untimed request of 128 tokens (one-time setup).
 
 Models: `demo`, the demo target examples/models/qwen3-next-stdlib (Qwen3-Next layout,
@@ -39,6 +47,7 @@ checkpoint both implementations load. Writes results/prefix_reuse.md and .png.
 """
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -61,12 +70,13 @@ from mlx_lm.feeding import DEFAULT_PREFILL_STEP_SIZE  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.lru_prompt_cache import LRUPromptCache  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from mlx_lm.serving import default_prompt_cache_bytes  # noqa: E402
+from mlx_lm.served_model import default_prompt_cache_bytes  # noqa: E402
 from mlx_lm.utils import get_model_classes, load, load_model, parameter_dtypes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PEER_SCRIPT = Path(__file__).parent / "prefix_reuse_peer.py"
 PEER_VERSION = "0.32.2"
+PEER_MAX_DEFAULT = 8192  # the longest prompt upstream runs at unless told (its CPU prefill is slow)
 DEMO = ROOT / "examples" / "models" / "qwen3-next-stdlib"
 QUESTION, ANSWER = 64, 16
 WARM_UP = 128  # tokens of an untimed request first in each process: first calls pay one-time setup
@@ -141,22 +151,25 @@ def answer(model, prompt_cache, tokens, step: int):
     return seconds, [token] + [t for t, _ in steps], logprobs
 
 
-def measure(model, first, second, step: int) -> dict:
+def measure(model, first, second, step: int, form: str) -> dict:
     """This project's row: the first request stored, the second answered through the
-    prompt cache and cold."""
+    prompt cache and cold. Form "chat": the server's message boundary at the document's
+    end is given to every cache (a cold run of a chat prompt is cut there too)."""
     lru = LRUPromptCache(max_bytes=default_prompt_cache_bytes())
-    entry = lru.checkpointed(make_prompt_cache(model), step)
+    bounds = dict(message_boundaries=[len(second) - QUESTION]) if form == "chat" else {}
+    entry = lru.checkpointed(make_prompt_cache(model), step, **bounds)
     cold_first, answered, _ = answer(model, entry, first, step)
     lru.insert(first + answered, entry)
     start = time.perf_counter()
-    fetched = lru.fetch(second)
-    cache = fetched.prompt_cache or lru.checkpointed(make_prompt_cache(model), step)
+    fetched = lru.fetch(second, **bounds)
+    cache = fetched.prompt_cache or lru.checkpointed(make_prompt_cache(model), step, **bounds)
     lookup = time.perf_counter() - start
     shared, shared_answer, shared_logprobs = answer(model, cache, fetched.remaining, step)
-    cold, cold_answer, cold_logprobs = answer(model, make_prompt_cache(model), second, step)
+    cold, cold_answer, cold_logprobs = answer(model, lru.checkpointed(make_prompt_cache(model), step, **bounds),
+                                              second, step)
     snapshots = entry.snapshots.values()
     return dict(
-        tokens=len(second), step=step, cold=cold, cold_first=cold_first, shared=lookup + shared,
+        form=form, tokens=len(second), step=step, cold=cold, cold_first=cold_first, shared=lookup + shared,
         resumed_at=fetched.num_cached, shared_prefix=len(second) - QUESTION, num_snapshots=len(snapshots),
         snapshot_bytes=sum(s.nbytes for s in snapshots), one_snapshot=max((s.nbytes for s in snapshots), default=0),
         answer=cold_answer,
@@ -174,12 +187,13 @@ def ensure_peer(venv: Path) -> Path:
     return python
 
 
-def run_peer(python: Path, checkpoint: Path, first, second, step: int, workdir: Path) -> dict:
+def run_peer(python: Path, checkpoint: Path, first, second, step: int, form: str, workdir: Path) -> dict:
     """Upstream's row, from prefix_reuse_peer.py run by the peer's python (in `workdir`,
     without PYTHONPATH, so nothing of this checkout is importable there)."""
     job = workdir / "job.json"
     job.write_text(json.dumps(dict(model=str(checkpoint), first=first, second=second, answer_tokens=ANSWER,
                                    prefill_step_size=step, warm_up_tokens=WARM_UP,
+                                   document_end=len(second) - QUESTION if form == "chat" else None,
                                    expect_version=PEER_VERSION)))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(python), str(PEER_SCRIPT), str(job)], capture_output=True, text=True, env=env,
@@ -209,13 +223,14 @@ def run(args, command: str):
             for length in args.lengths:
                 first, second = prompts(length)
                 answer(model, make_prompt_cache(model), first[:WARM_UP], args.steps[0])  # untimed
-                for step in args.steps:
-                    row = dict(model=name, dtype=parameter_dtypes(model), **measure(model, first, second, step))
+                for step, form in itertools.product(args.steps, args.forms):
+                    row = dict(model=name, dtype=parameter_dtypes(model), **measure(model, first, second, step, form))
                     if peer_python is not None and length in args.peer_lengths:
-                        row["peer"] = run_peer(peer_python, checkpoint, first, second, step, Path(tmp))
+                        row["peer"] = run_peer(peer_python, checkpoint, first, second, step, form, Path(tmp))
                     print({k: v for k, v in row.items() if k != "answer"}, flush=True)
                     rows.append(row)
                     write_table(rows, command)  # so far, should a long run be stopped
+                    write_plot(rows)
     return rows
 
 
@@ -225,7 +240,7 @@ def ours_ratio(row: dict) -> float:
 
 
 def row_line(r: dict) -> str:
-    ours = (f"| {r['model']} | {r['tokens']} | {r['step']} | {r['shared_prefix']} | {r['resumed_at']} "
+    ours = (f"| {r['model']} | {r['form']} | {r['tokens']} | {r['step']} | {r['shared_prefix']} | {r['resumed_at']} "
             f"| {min(r['cold'], r['cold_first']):.2f} | {r['shared']:.2f} | **{ours_ratio(r):.3f}x** "
             f"| {r['num_snapshots']} | {r['snapshot_bytes'] / 2**20:.1f} ({r['one_snapshot'] / 2**20:.2f}) "
             f"| {'identical' if r['identical'] else 'DIFFER'} ")
@@ -258,10 +273,10 @@ def header(rows, command: str) -> list:
         f"compares the second request's {ANSWER} greedy tokens and first logprobs, resumed vs cold (asserted). "
         "Upstream: `cold` is its first request; `= ours` says whether its answer equals ours token for token.",
         "",
-        "| model | prompt tokens | prefill step | shared prefix | ours resumed at | ours cold | ours shared "
+        "| model | form | prompt tokens | prefill step | shared prefix | ours resumed at | ours cold | ours shared "
         "| ours shared / cold | snapshots | snapshot MB (each) | ours answers | upstream resumed at | upstream cold "
         "| upstream shared | upstream shared / cold | upstream = ours |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
 
 
@@ -271,11 +286,12 @@ def write_table(rows, command: str) -> None:
         "",
         "Resumed at: the tokens the prompt cache supplied (the snapshot at or before the shared prefix, with the KV "
         "layers trimmed there); 0 is a cold prefill. Snapshot MB: all the stored entry keeps, and one snapshot. "
-        "Upstream 0.32.2 stores the same entries but cannot trim a recurrent state, so the second request finds "
-        "no usable entry and prefills everything again. Its server also stores the cache at the end of a chat "
-        "request's system messages (a `system` segment); a document sent as a system message would be reused "
-        "there, which token prompts (as /v1/completions sends them) do not exercise. Issue 33's goal: shared "
-        "<= 0.1x cold at 2k tokens, <= 0.05x at 32k, answers identical.",
+        "Form `tokens`: a token prompt (/v1/completions), no message boundaries; `chat`: the document its own "
+        "message, its end a message boundary (this project cuts prefill chunks and takes a snapshot there; "
+        "upstream's server stores a segment there, but only after system messages: a document sent as an earlier "
+        "user turn it would not reuse). Upstream 0.32.2 cannot trim a recurrent "
+        "state: for a token prompt it finds no usable entry and prefills everything again. Issue 33's goal: "
+        "shared <= 0.1x cold at 2k tokens, <= 0.05x at 32k, answers identical.",
     ]
     (RESULTS / "prefix_reuse.md").write_text("\n".join(lines) + "\n")
 
@@ -287,7 +303,7 @@ def write_plot(rows) -> None:
     import matplotlib.pyplot as plt
 
     fig, (times, ratios) = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(rows) + 5), 4.5))
-    labels = [f"{r['model']}\n{r['tokens']} tok, S={r['step']}" for r in rows]
+    labels = [f"{r['model']} {r['form']}\n{r['tokens']} tok, S={r['step']}" for r in rows]
     bars = [("ours cold", lambda r: min(r["cold"], r["cold_first"])), ("ours shared", lambda r: r["shared"]),
             ("upstream cold", lambda r: r.get("peer", {}).get("first", 0)),
             ("upstream shared", lambda r: r.get("peer", {}).get("shared", 0))]
@@ -297,13 +313,13 @@ def write_plot(rows) -> None:
     times.set_yscale("log")
     times.set_ylabel("time to first token (s)")
     times.legend(fontsize=7)
-    for model in sorted({r["model"] for r in rows}):
-        mine = [r for r in rows if r["model"] == model and r["step"] == rows[0]["step"]]
-        ratios.plot([r["tokens"] for r in mine], [ours_ratio(r) for r in mine], "o-", label=f"ours, {model}")
+    for model, form in sorted({(r["model"], r["form"]) for r in rows}):
+        mine = [r for r in rows if (r["model"], r["form"], r["step"]) == (model, form, rows[0]["step"])]
+        ratios.plot([r["tokens"] for r in mine], [ours_ratio(r) for r in mine], "o-", label=f"ours, {model} {form}")
         peer = [r for r in mine if "peer" in r]
         ratios.plot([r["tokens"] for r in peer], [r["peer"]["shared"] / r["peer"]["first"] for r in peer], "s--",
-                    label=f"upstream, {model}")
-    ratios.plot([2048, 32768], [0.1, 0.05], "k:", label="issue 33 goal")
+                    label=f"upstream, {model} {form}")
+    ratios.plot([2048, 32768], [0.1, 0.05], "kv", linestyle="none", label="issue 33 goal (at most)")
     ratios.set_xscale("log", base=2)
     ratios.set_yscale("log")
     ratios.set_xlabel("prompt tokens")
@@ -319,22 +335,25 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, nargs="+", default=[DEFAULT_PREFILL_STEP_SIZE])
     parser.add_argument("--models", nargs="+", choices=["demo", "mamba2"], default=["demo", "mamba2"])
-    parser.add_argument("--peer-lengths", type=int, nargs="*", default=[2048, 8192],
-                        help="the lengths upstream runs at (its prefill runs the recurrence token by token on the "
-                        "CPU: 32k takes it many minutes a request)")
+    parser.add_argument("--peer-lengths", type=int, nargs="*", default=None,
+                        help="the lengths upstream runs at (default: those of --lengths up to 8192; its CPU prefill "
+                        "steps the recurrence token by token)")
+    parser.add_argument("--forms", nargs="+", choices=["tokens", "chat"], default=["tokens", "chat"],
+                        help="tokens: a token prompt (/v1/completions); chat: the document its own message")
     parser.add_argument("--no-peer", action="store_true", help="leave out upstream mlx-lm")
     parser.add_argument("--peer-venv", type=Path, default=Path(__file__).parent / f".venv-upstream-{PEER_VERSION}")
     args = parser.parse_args()
     if min(args.lengths) <= QUESTION:
         raise SystemExit(f"--lengths must all exceed the {QUESTION}-token question, got {args.lengths}")
+    if args.peer_lengths is None:
+        args.peer_lengths = [n for n in args.lengths if n <= PEER_MAX_DEFAULT]
     if not set(args.peer_lengths) <= set(args.lengths):
         raise SystemExit(f"--peer-lengths {args.peer_lengths} must be among --lengths {args.lengths}")
     if min(args.steps) < 1:
         raise SystemExit(f"--steps must all be >= 1, got {args.steps}")
     command = ("python benchmarks/prefix_reuse.py " + " ".join(sys.argv[1:])).strip()
     rows = run(args, command)
-    write_plot(rows)
-    differ = [f"{r['model']} {r['tokens']} S={r['step']}" for r in rows if not r["identical"]]
+    differ = [f"{r['model']} {r['form']} {r['tokens']} S={r['step']}" for r in rows if not r["identical"]]
     if differ:
         raise SystemExit(f"resumed and cold answers differ: {', '.join(differ)} (see results/prefix_reuse.md)")
 
