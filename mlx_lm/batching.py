@@ -58,7 +58,7 @@ from .feeding import DEFAULT_PREFILL_STEP_SIZE, check_can_speculate, generation_
 from .generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats, StatsWindow  # noqa: F401 (re-exported)
 from .models.batch_cache import bookkeeping, make_room
 from .models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from .models.checkpoints import maybe_snapshot
+from .models.checkpoints import PrefillChunks, maybe_snapshot
 from .sample_utils import CategoricalSampler, make_sampler
 from .speculation_stats import SpeculationStats
 from .stop_sequences import StopSequences
@@ -297,7 +297,7 @@ class BatchGenerator:
             r = self._prefilling[0]
             fed = r.total - r.prompt.size
             segment_end = next(end for end in r.segment_ends if end > fed)
-            n = min(self.prefill_step_size, r.prompt.size - 1, segment_end - fed)
+            n = min(PrefillChunks(r.cache, self.prefill_step_size).size(0, r.prompt.size - 1), segment_end - fed)
             if n > 0:
                 self._prefill_chunk(r, r.prompt[: n + 1])
                 r.prompt, r.num_in_cache, budget = r.prompt[n:], r.num_in_cache + n, budget - n

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from .feeding import CachedModel, Processors, on_generation_stream, prefill, processed_logprobs
 from .models.cache import trim_prompt_cache
+from .models.checkpoints import PrefillChunks
 from .sample_utils import CategoricalSampler
 
 
@@ -343,7 +344,7 @@ class MTPHead(Drafter):
         tokens, total = prompt.tolist(), prompt.size
         while self.target.num_fed < total - 1:
             start = self.target.num_fed
-            end = min(start + prefill_step_size, total - 1)
+            end = start + PrefillChunks(self.target.cache, prefill_step_size).size(0, total - 1 - start)
             self.target.forward(prompt[start:end])
             self._feed_pairs(tokens, end - 1)
             quantize_kv(self.target.cache)
