@@ -104,6 +104,7 @@ class APIHandler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"
     POST_ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text"}
     PROBE_INTERVAL = 1.0  # seconds between writes that test a client whose side reads as closed
+    request_id: Optional[str] = None  # upstream's: the answer's id, which handle_*_completions set
 
     def __init__(self, *args: Any, system_fingerprint: Optional[str] = None, **kwargs: Any):
         """APIServer's form, (request, client_address, server), or upstream's embedding
@@ -336,6 +337,7 @@ class APIHandler(BaseHTTPRequestHandler):
             # Checked here, not in the hook: a subclass's validate_model_parameters cannot skip the limits.
             self.generation_request = parse_request(self.body, self._kind, self.server.defaults)
             vars(self).update(upstream_fields(self.generation_request, self.body))
+            self.request_id = None  # a keep-alive connection's previous request had its own
             _as_request_error(self.validate_model_parameters)
             factory = self.handle_chat_completions if self._kind == "chat" else self.handle_text_completions
             return _as_request_error(factory)
@@ -378,8 +380,8 @@ class APIHandler(BaseHTTPRequestHandler):
         """The body with the values of upstream's request attributes, which a hook may
         have changed (upstream's handle_completion generates with those)."""
         body = {k: v for k, v in self.body.items() if k != "max_completion_tokens"}
-        body.update({name: getattr(self, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                                          "xtc_probability", "xtc_threshold", "seed",
+        body.update({name: getattr(self, name) for name in ("stream", "max_tokens", "temperature", "top_p", "top_k",
+                                                          "min_p", "xtc_probability", "xtc_threshold", "seed",
                                                           "num_draft_tokens")})
         body["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         for name in ("repetition", "presence", "frequency"):
@@ -417,7 +419,7 @@ class APIHandler(BaseHTTPRequestHandler):
         self.server.worker.submit(job)
         name = self.server.provider.model_id if job.model_key is None else model_id(job.model_key)
         builder = ResponseBuilder(answer_request, name, lambda: job.chat_plan, system_fingerprint=self.system_fingerprint,
-                                  response_id=getattr(self, "request_id", None))
+                                  response_id=self.request_id)
         self._last_probe = -math.inf
         try:
             if answer_request.stream:
