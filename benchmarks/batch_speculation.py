@@ -11,10 +11,12 @@ BatchGenerator: a request is inserted when the client's previous one finishes. R
 plain; the demo draft loaded but never drafting (its cost of being there: prefill and
 catch-up feeds); the demo draft with the adaptive draft length and with each fixed K;
 the target's MTP head, adaptive and with K = 3. They run in turn, `--repeats` times,
-medians reported. Then what each part of a round costs at that batch size (synchronous
-timings, medians): a plain step, a verify of K + 1 columns, a draft model step, an MTP
-head step, and the rollback of a verify whose rows keep different prefixes.
-Writes results/batch_speculation.md and .png.
+medians reported; with one client, also the single-sequence loop
+(speculative_generate_step) on the same requests. Then what each part of a round costs
+at that batch size (synchronous timings, medians): a plain step, a verify of K + 1
+columns, a draft model step, an MTP head step, and the rollback of a verify whose rows
+keep different prefixes.
+Writes results/batch_speculation.md and .png (batch_speculation_N_clients.* for N != 4).
 """
 
 import argparse
@@ -58,6 +60,22 @@ def serve(model, prompts, args, **generator_args):
     return num_tokens / (time.perf_counter() - start), lengths
 
 
+def serve_alone(model, prompts, args, draft_model):
+    """Tokens/s of the same requests one after the other in the single-sequence loop
+    (speculative_generate_step with the adaptive draft length): what one client gets
+    without the batch."""
+    import mlx.core as mx
+
+    from mlx_lm.speculative import speculative_generate_step
+
+    num_tokens, start = 0, time.perf_counter()
+    for i in range(args.clients * args.requests_per_client):
+        steps = speculative_generate_step(mx.array(prompts[i % len(prompts)]), model, draft_model,
+                                          max_tokens=args.max_tokens)
+        num_tokens += sum(1 for _ in steps)
+    return num_tokens / (time.perf_counter() - start), Counter()
+
+
 def never_drafting():
     """The batch policy pinned to plain steps (the draft model stays loaded)."""
     from mlx_lm.draft_length import BatchDraftLengthPolicy
@@ -81,6 +99,8 @@ def run_workload(target, draft, prompts, args):
         "MTP head, adaptive": dict(mtp=True),
         "MTP head, fixed K=3": dict(mtp=True, fixed_draft_length=True, num_draft_tokens=3),
     }
+    if args.clients == 1:  # the goal there: the batch against the single-sequence loop
+        configs["single-sequence loop, draft, adaptive"] = dict(alone=True)
     default_policy = batching.BatchDraftLengthPolicy
     runs, lengths = {name: [] for name in configs}, {}
     for repeat in range(args.repeats + 1):  # the first pass warms up
@@ -88,7 +108,10 @@ def run_workload(target, draft, prompts, args):
             config = dict(config)
             batching.BatchDraftLengthPolicy = config.pop("policy", default_policy)
             try:
-                tps, lengths[name] = serve(target, prompts, args, **config)
+                if config.pop("alone", False):
+                    tps, lengths[name] = serve_alone(target, prompts, args, draft)
+                else:
+                    tps, lengths[name] = serve(target, prompts, args, **config)
             finally:
                 batching.BatchDraftLengthPolicy = default_policy
             if repeat:
@@ -187,7 +210,8 @@ def report(args, runs, lengths, costs):
     lines += [f"| {name} | {ms:.2f} |" for name, ms in costs.items()]
     lines += ["", machine(), ""]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "batch_speculation.md").write_text("\n".join(lines))
+    stem = "batch_speculation" if args.clients == 4 else f"batch_speculation_{args.clients}_clients"
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     plt = pyplot()
     if plt is None:
@@ -201,7 +225,7 @@ def report(args, runs, lengths, costs):
                  fontsize=7)
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "batch_speculation.png", dpi=120)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
 
 
 def main():
