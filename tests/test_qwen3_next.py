@@ -17,10 +17,8 @@ from conftest import FIXTURES
 
 from mlx_lm.models import qwen3_next
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
-from mlx_lm.models.gated_delta import CHUNK_SIZE, CHUNKED_MIN_TOKENS
+from mlx_lm.models.gated_delta import CHUNK_SIZE, CHUNKED_MIN_TOKENS, CONV_STATE, RECURRENT_STATE
 from mlx_lm.models.qwen3_next import (
-    CONV_STATE,
-    RECURRENT_STATE,
     ModelArgs,
     causal_conv1d,
     l2_normalize,

@@ -32,12 +32,14 @@ Yang et al., "Parallelizing Linear Transformers with the Delta Rule" (arXiv 2406
 """
 
 from functools import partial
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .ssm import steps_mask
+from .ssm import conv_state_after, steps_mask
 
+# A GDN layer's cache entries (an ArraysCache of two).
+CONV_STATE, RECURRENT_STATE = 0, 1
 # Tokens per chunk of the chunked path (the intra-chunk matrices are CHUNK_SIZE^2).
 CHUNK_SIZE = 32
 # The chunked path handles this many chunks at a time, so that its per-chunk temporaries
@@ -372,6 +374,33 @@ def select_state(states: List[mx.array], m: Union[int, Sequence[int]]) -> mx.arr
     if len(set(m)) == 1:
         return states[m[0]]
     return mx.concatenate([states[m_b][b : b + 1] for b, m_b in enumerate(m)])
+
+
+def entries_after(conv_input: mx.array, num_tokens: int, state_after: Callable, m: Union[int, List[int]]) -> List[mx.array]:
+    """A GDN layer's cache entries after only the first m of the num_tokens tokens of a
+    recorded forward (m a list: row b after its own m[b]): the conv state is rows
+    [m, m+K-1) of the conv input (B, K-1+T, C) (causality), the recurrent state
+    `state_after(m)` (gated_delta.gated_delta_recorded). [conv, recurrent]."""
+    kernel_size = conv_input.shape[1] - num_tokens + 1
+    return [conv_state_after(conv_input, m, kernel_size), state_after(m)]
+
+
+def gated_delta_cached(conv_input: mx.array, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                       cache: Optional[Any]) -> mx.array:
+    """The gated delta rule over T tokens from the cache's state, the cache then past
+    them (conv state: the conv input's last K-1 rows); while speculating the forward is
+    recorded so that it can be rolled back to any prefix. Returns y (B, T, Hv, Dv)."""
+    if cache is None:
+        return gated_delta_recurrence(q, k, v, g, beta)[0]
+    T, state = q.shape[1], cache[RECURRENT_STATE]
+    if cache.speculating:
+        y, new_state, state_after = gated_delta_recorded(q, k, v, g, beta, state)
+        cache.record_rollback(T, partial(entries_after, conv_input, T, state_after), [cache[CONV_STATE], state])
+    else:
+        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)
+    cache[CONV_STATE] = conv_input[:, T:]
+    cache[RECURRENT_STATE] = new_state
+    return y
 
 
 def _by_length(sequential, chunked, q, k, v, g, beta, state):

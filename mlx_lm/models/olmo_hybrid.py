@@ -45,14 +45,14 @@ from .base import (
     scaled_dot_product_attention,
 )
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_beta, compute_g
+from .gated_delta import CONV_STATE, compute_beta, compute_g
 from .llama import MLP
-from .qwen3_next import GatedRMSNorm, causal_conv1d, gated_delta_cached, l2_normalize
+from .gated_delta import gated_delta_cached
+from .qwen3_next import GatedRMSNorm, causal_conv1d, l2_normalize
 from .rope_utils import initialize_rope, resolve_rope
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 # Slots of a linear-attention layer's ArraysCache.
-CONV_STATE, RECURRENT_STATE = 0, 1
 DEFAULT_ROPE_THETA = 10000.0  # what transformers uses when the config names no rope at all
 # rope_theta's default: "the config has no rope_theta key", unlike an explicit null (NoPE).
 ROPE_THETA_ABSENT = -1.0

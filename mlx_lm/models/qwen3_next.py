@@ -28,7 +28,7 @@ References: transformers `models/qwen3_next/modeling_qwen3_next.py` (which ignor
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,15 +43,13 @@ from .base import (
 )
 from . import sharding
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_g, gated_delta_recorded, gated_delta_recurrence
+from .gated_delta import CONV_STATE, compute_g, gated_delta_cached
 from .llama import MLP
 from .rope_utils import initialize_rope, resolve_rope
-from .ssm import conv_state_after
 from .switch_layers import SwitchGLU
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 # Slots of a linear-attention layer's ArraysCache.
-CONV_STATE, RECURRENT_STATE = 0, 1
 # Zero-centred RMSNorm weights in the checkpoint (the gated `linear_attn.norm` is not).
 ZERO_CENTRED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 # The MTP head's own zero-centred norms (its decoder layer's end in ZERO_CENTRED_NORMS).
@@ -216,33 +214,6 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, y: mx.array, z: mx.array) -> mx.array:
         normed = mx.fast.rms_norm(y, self.weight, self.eps)
         return (normed.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(y.dtype)
-
-
-def entries_after(conv_input: mx.array, num_tokens: int, state_after: Callable, m: Union[int, List[int]]) -> List[mx.array]:
-    """A GDN layer's cache entries after only the first m of the num_tokens tokens of a
-    recorded forward (m a list: row b after its own m[b]): the conv state is rows
-    [m, m+K-1) of the conv input (B, K-1+T, C) (causality), the recurrent state
-    `state_after(m)` (gated_delta.gated_delta_recorded). [conv, recurrent]."""
-    kernel_size = conv_input.shape[1] - num_tokens + 1
-    return [conv_state_after(conv_input, m, kernel_size), state_after(m)]
-
-
-def gated_delta_cached(conv_input: mx.array, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-                       cache: Optional[ArraysCache]) -> mx.array:
-    """The gated delta rule over T tokens from the cache's state, the cache then past
-    them (conv state: the conv input's last K-1 rows); while speculating the forward is
-    recorded so that it can be rolled back to any prefix. Returns y (B, T, Hv, Dv)."""
-    if cache is None:
-        return gated_delta_recurrence(q, k, v, g, beta)[0]
-    T, state = q.shape[1], cache[RECURRENT_STATE]
-    if cache.speculating:
-        y, new_state, state_after = gated_delta_recorded(q, k, v, g, beta, state)
-        cache.record_rollback(T, partial(entries_after, conv_input, T, state_after), [cache[CONV_STATE], state])
-    else:
-        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)
-    cache[CONV_STATE] = conv_input[:, T:]
-    cache[RECURRENT_STATE] = new_state
-    return y
 
 
 class GatedDeltaNet(nn.Module):
