@@ -302,14 +302,14 @@ def write_plot(rows) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (times, ratios) = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(rows) + 5), 4.5))
+    fig, (times, ratios) = plt.subplots(1, 2, figsize=(min(16, max(9, 0.8 * len(rows) + 5)), 5.5))
     labels = [f"{r['model']} {r['form']}\n{r['tokens']} tok, S={r['step']}" for r in rows]
     bars = [("ours cold", lambda r: min(r["cold"], r["cold_first"])), ("ours shared", lambda r: r["shared"]),
             ("upstream cold", lambda r: r.get("peer", {}).get("first", 0)),
             ("upstream shared", lambda r: r.get("peer", {}).get("shared", 0))]
     for i, (label, value) in enumerate(bars):
         times.bar([x + 0.2 * (i - 1.5) for x in range(len(rows))], [value(r) for r in rows], 0.2, label=label)
-    times.set_xticks(list(range(len(rows))), labels, fontsize=7)
+    times.set_xticks(list(range(len(rows))), labels, fontsize=6, rotation=60)
     times.set_yscale("log")
     times.set_ylabel("time to first token (s)")
     times.legend(fontsize=7)
