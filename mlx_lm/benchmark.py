@@ -76,6 +76,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-trials", "-n", type=positive_int, default=DEFAULT_NUM_TRIALS,
                         help="Number of timed trials (after one warmup run)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="PRNG seed of the random prompt")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Let the tokenizer run code from the checkpoint (upstream's flag)")
+    parser.set_defaults(adapter_path=None)  # what load_with_speculation reads; no adapters here
     add_speculation_arguments(parser)
     add_dtype_argument(parser)
     return parser
