@@ -108,6 +108,18 @@ def test_right_padded_prefill_becomes_holes_at_finalize(name):
             assert_close(decoded[t][b], want[t + 1])
 
 
+def test_batch_kv_mask_options_in_upstreams_order():
+    """BatchKVCache.make_mask(N, True) asks for an array, as upstream's does (the
+    second option is a window for the other caches): one query of a gapless batch."""
+    cache = merge_caches([[KVCache()], [KVCache()]])[0]
+    cache.update_and_fetch(mx.zeros((2, 1, 3, 1)), mx.zeros((2, 1, 3, 1)))
+    assert cache.make_mask(1) is None
+    assert mx.array_equal(cache.make_mask(1, True), cache.make_mask(1, return_array=True))
+    assert cache.make_mask(1, True).shape == (2, 1, 1, 4)
+    windowed = cache.make_mask(2, window_size=2)[0, 0, 1].tolist()  # row 0's second query
+    assert windowed[-2:] == [True, True] and sum(windowed) == 2
+
+
 def test_constructor_padding_offsets_and_mask():
     cache = BatchKVCache(left_padding=[2, 0])
     assert cache.offset.tolist() == [-2, 0] and cache.left_padding.tolist() == [2, 0] and cache.empty()

@@ -414,6 +414,11 @@ class _AlignedKV(_NotSaved):
 class BatchKVCache(_AlignedKV):
     """KVCache rows side by side (right-aligned; see the module docstring)."""
 
+    def make_mask(self, num_queries: int, return_array: bool = False, window_size: Optional[int] = None):
+        """_AlignedKV.make_mask, with upstream's BatchKVCache order of the options
+        (make_mask(N, True) asks for an array, as there)."""
+        return super().make_mask(num_queries, window_size=window_size, return_array=return_array)
+
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
         batch = cls([])

@@ -272,7 +272,7 @@ class CacheList(_BaseCache):
         return masks[0][1]
 
     def _child_masks(self, num_queries: int, window_size: Optional[int], return_array: bool):
-        masks = [(type(c).__name__, c.make_mask(num_queries, window_size, return_array)) for c in self.caches]
+        masks = [(type(c).__name__, c.make_mask(num_queries, window_size=window_size, return_array=return_array)) for c in self.caches]
         return [(name, mask) for name, mask in masks if mask is not None]
 
     def size(self) -> int:
