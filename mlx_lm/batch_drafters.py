@@ -38,13 +38,15 @@ Drafts = Tuple[mx.array, Callable[[], List[List[int]]], Optional[mx.array]]
 DraftSamplers = Optional[List[Optional[CategoricalSampler]]]
 
 
-def _columns(fed: List[int], drafted: mx.array, rooms: List[int], laws: Optional[List[mx.array]] = None) -> Drafts:
+def _columns(fed: List[int], steps: List[mx.array], rooms: List[int], laws: List[Optional[mx.array]]) -> Drafts:
     """Columns built on the device (so the verify queues behind the drafts without a
-    sync) from the (B, K) drafted tokens; row i keeps its first rooms[i]."""
+    sync) from each draft step's (B,) tokens and (B, V) log-laws (draw_drafts); row i
+    keeps its first rooms[i]."""
+    drafted = mx.stack(steps, axis=1)  # (B, K)
     first = mx.array(fed, dtype=mx.uint32)[:, None]
     kept = mx.arange(drafted.shape[1])[None] < mx.array(rooms)[:, None]
     columns = mx.concatenate([first, mx.where(kept, drafted, first)], axis=1)
-    stacked = None if laws is None else mx.stack(laws, axis=1)
+    stacked = None if laws[0] is None else mx.stack(laws, axis=1)
     return columns, lambda: [d[:room] for d, room in zip(drafted.tolist(), rooms)], stacked
 
 
@@ -204,7 +206,7 @@ class BatchDraftModel:
             steps.append(token)
             laws.append(law)
         self.drafted = mx.stack(steps, axis=1)  # (B, K): the draft fed all but the last
-        return _columns(fed, self.drafted, rooms, None if laws[0] is None else laws)
+        return _columns(fed, steps, rooms, laws)
 
     def settle(self, cache: List[Any], columns: mx.array, num_accepted: List[int], kept: List[int],
                sampled: mx.array, hidden: Optional[mx.array]) -> None:
@@ -352,7 +354,7 @@ class BatchMTPHead:
             steps.append(token)
             laws.append(law)
         self.num_drafting = len(steps) - 1
-        return _columns(fed, mx.stack(steps, axis=1), rooms, None if laws[0] is None else laws)
+        return _columns(fed, steps, rooms, laws)
 
     def settle(self, cache: List[Any], columns: mx.array, num_accepted: List[int], kept: List[int],
                sampled: mx.array, hidden: mx.array) -> None:

@@ -4,7 +4,8 @@ device, batch_drafters.py), one verify forward of every row's token and drafts (
 to the longest), each row decided by the one acceptance rule (acceptance.accept), and
 each row's rejected tokens rolled back (`trim_rows`: KV columns become holes, recurrent
 states are rewound from the layers' records). The next round is queued as soon as one
-is decided, before its tokens are handed out; a queued round can be cancelled. Rounds are timed top to top for the draft-length policy."""
+is decided, before its tokens are handed out; a queued round can be cancelled. Rounds
+are timed top to top for the draft-length policy."""
 
 import time
 from dataclasses import dataclass
@@ -125,6 +126,13 @@ class Rounds:
         mx.async_eval(logits)
         return QueuedRound(fed, columns, logits, hidden, read_drafts, draft_laws, top)
 
+    def queue_drafted(self, rooms: List[int], top: float) -> Optional[QueuedRound]:
+        """Every row's drafts (at most its room) and their verify, queued; None if the
+        drafter found none (prompt lookup may not)."""
+        fed = self.table.tokens.tolist()  # drafting needs each row's token now (the last round is done)
+        drafted = self.table.drafter.draft(self.table.draft_caches, fed, rooms, self.draft_samplers())
+        return None if drafted is None else self.queue(fed, *drafted, top)
+
     def queue_ahead(self, rows_waiting: bool) -> None:
         """Queue the next round's drafts and verify as
         soon as this one is decided, so they compute while its tokens are handed out
@@ -136,15 +144,9 @@ class Rounds:
         self.time_last_round()
         top = time.perf_counter()
         rooms = self.rooms()
-        if not any(rooms):
+        self.queued = self.queue_drafted(rooms, top) if any(rooms) else None
+        if self.queued is None:
             self.plain_next = len(table)
-            return
-        fed = table.tokens.tolist()
-        drafted = table.drafter.draft(table.draft_caches, fed, rooms, self.draft_samplers())
-        if drafted is None:  # (prompt lookup found nothing)
-            self.plain_next = len(table)
-            return
-        self.queued = self.queue(fed, *drafted, top)
 
     def cancel(self) -> None:
         """Undo a queued round before the batch changes from outside (remove,

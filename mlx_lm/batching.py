@@ -383,15 +383,14 @@ class BatchGenerator:
             chosen_plain, rounds.plain_next = rounds.plain_next == len(table), None
             rooms = [0] * len(table) if chosen_plain else rounds.rooms()
             if any(rooms):  # (else a plain step, pipelined as without speculation)
-                fed = table.tokens.tolist()  # drafting needs each row's token now (the last round is done)
                 # The drafter's catch-up feed is the plain steps' debt, not this round's
                 # cost: timed in, it made drafting after plain steps look dearer than it is.
                 caught_up = time.perf_counter()
                 table.catch_up()
                 top += time.perf_counter() - caught_up
-                drafted = self._drafter.draft(table.draft_caches, fed, rooms, rounds.draft_samplers())
-                if drafted is not None:  # (prompt lookup may find nothing)
-                    return self._finish_round(rounds.queue(fed, *drafted, top))
+                queued = rounds.queue_drafted(rooms, top)
+                if queued is not None:
+                    return self._finish_round(queued)
         return self._plain_step(top)
 
     def _plain_step(self, top: float) -> List[Response]:

@@ -353,12 +353,12 @@ def gated_delta_recorded(
     cost of a gather instead of a replay (a replay is dozens of small ops a layer, the
     larger part of a batch round's rollback on the CPU). Long forwards replay."""
     g, beta, fp32_state = _fp32_inputs(q, k, v, g, beta, state)
-    if q.shape[1] >= CHUNKED_MIN_TOKENS:
-        y, new_state = gated_delta_chunked(q, k, v, g, beta, fp32_state)
-        return y.astype(v.dtype), new_state, partial(_replayed_state, q, k, v, g, beta, fp32_state)
     states = [fp32_state]
-    y, new_state = gated_delta_sequential(q, k, v, g, beta, fp32_state, states_after=states)
-    return y.astype(v.dtype), new_state, partial(select_state, states)
+    stepping = partial(gated_delta_sequential, states_after=states)
+    y, new_state = _by_length(stepping, gated_delta_chunked, q, k, v, g, beta, fp32_state)
+    if len(states) > q.shape[1]:  # it stepped: the state after every prefix is kept
+        return y, new_state, partial(select_state, states)
+    return y, new_state, partial(_replayed_state, q, k, v, g, beta, fp32_state)
 
 
 def _replayed_state(q, k, v, g, beta, state, m):
