@@ -115,6 +115,8 @@ class BatchPromptLookup:
                 lookup.extend([token])
         self.lag = []
 
+    catch_up_for_round = catch_up  # (outside the round's time)
+
     def draft(self, cache: List[Any], fed: List[int], rooms: List[int],
               samplers: DraftSamplers = None) -> Optional[Drafts]:
         """Each row's continuation of its latest n-gram (at most its room), point
@@ -142,13 +144,18 @@ class BatchPromptLookup:
 
 class BatchDraftModel:
     """A draft model's caches batched beside the target's: it drafts every row in K
-    single-token steps, keeping K - 1 of them fed (the K-th only if a row keeps all K)."""
+    steps, the first feeding its lag (below) and the row's token in one forward, each
+    other one token. After the verify every row holds what it kept but its last token,
+    which joins the lag: a row that kept all K drafts was never fed the K-th, and
+    rolling the others back one more keeps the batch aligned, so that the next round's
+    first step feeds every row [that token, the new one] instead of a forward of its
+    own for the rows that kept all (which was one draft forward in four at K = 3)."""
 
     needs_hidden = False  # of the target
 
     def __init__(self, draft_model: nn.Module, target_vocab_size: int):
         self.model, self.target_vocab_size = draft_model, target_vocab_size
-        self.lag: List[mx.array] = []  # (B,) tokens of plain steps the draft has not seen
+        self.lag: List[mx.array] = []  # (B,) tokens the draft has not seen yet (plain steps', a round's last)
         self.drafted: Optional[mx.array] = None  # (B, K) the last round's drafts
 
     def make_cache(self) -> List[Any]:
@@ -192,34 +199,38 @@ class BatchDraftModel:
         self.model(self._ids(tokens), cache=cache)
         mx.async_eval([c.state for c in cache], bookkeeping(cache))
 
+    def catch_up_for_round(self, cache: List[Any]) -> None:
+        pass  # the round's first draft step feeds the lag
+
     def draft(self, cache: List[Any], fed: List[int], rooms: List[int], samplers: DraftSamplers = None) -> Drafts:
-        """K = the largest room steps for all rows at once."""
+        """K = the largest room steps for all rows at once; the first feeds the lag too."""
         num_steps = max(rooms)
-        self.catch_up(cache)
+        tokens, self.lag = mx.stack(self.lag + [mx.array(fed, dtype=mx.uint32)], axis=1), []  # (B, lag + 1)
         # Room for the whole round now: a window may only drop columns before it begins
         # (the rollback goes back to its start).
-        make_room(cache, num_steps + 1)
-        token, steps, laws = mx.array(fed, dtype=mx.uint32), [], []
+        make_room(cache, tokens.shape[1] + num_steps)
+        steps, laws = [], []
         for _ in range(num_steps):
-            logits = self.model(self._ids(token)[:, None], cache=cache)[:, -1, : self.target_vocab_size]
+            logits = self.model(self._ids(tokens), cache=cache)[:, -1, : self.target_vocab_size]
             token, law = draw_drafts(logits, samplers)
             steps.append(token)
             laws.append(law)
+            tokens = token[:, None]
         self.drafted = mx.stack(steps, axis=1)  # (B, K): the draft fed all but the last
         return _columns(fed, steps, rooms, laws)
 
     def settle(self, cache: List[Any], columns: mx.array, num_accepted: List[int], kept: List[int],
                sampled: mx.array, hidden: Optional[mx.array]) -> None:
-        """Row i kept kept[i] of the round's K + 1 columns (its token and drafts); a row
-        that kept all K drafts first gets the last one fed."""
+        """Row i kept kept[i] >= 1 of the round's K + 1 columns (its token and drafts),
+        of which the draft was fed the first K: it keeps all but the last, which it is
+        fed with the next round's token (or at the next catch_up)."""
         num_fed = self.drafted.shape[1]
-        if max(kept) > num_fed:
-            self.model(self._ids(self.drafted[:, -1:]), cache=cache)
-            num_fed += 1
-        trim_rows(cache, [num_fed - k for k in kept])
+        trim_rows(cache, [num_fed + 1 - k for k in kept])
+        last = mx.array(kept, dtype=mx.int32)[:, None] - 1
+        self.lag = [mx.take_along_axis(columns, last, axis=1)[:, 0]]
 
     def cancel(self, cache: List[Any]) -> None:
-        """Undo a drafting round that will not be verified."""
+        """Undo a drafting round that will not be verified (its lag stays fed)."""
         trim_rows(cache, [self.drafted.shape[1]] * self.drafted.shape[0])
 
     def rollback_window(self, num_draft_tokens: int) -> int:
@@ -328,6 +339,8 @@ class BatchMTPHead:
             keeps = [width] * tokens.shape[0] if keep is None else keep
             trim_rows(cache, [width - k + last for k in keeps])
         mx.async_eval([c.state for c in cache], bookkeeping(cache))
+
+    catch_up_for_round = catch_up  # (outside the round's time)
 
     @staticmethod
     def _merged(chunks):

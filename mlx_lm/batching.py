@@ -386,7 +386,7 @@ class BatchGenerator:
                 # The drafter's catch-up feed is the plain steps' debt, not this round's
                 # cost: timed in, it made drafting after plain steps look dearer than it is.
                 caught_up = time.perf_counter()
-                table.catch_up()
+                table.catch_up_for_round()
                 top += time.perf_counter() - caught_up
                 queued = rounds.queue_drafted(rooms, top)
                 if queued is not None:
