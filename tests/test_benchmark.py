@@ -10,7 +10,8 @@ import pytest
 
 from checkpoints import TINY_CONFIGS, write_checkpoint
 from mlx_lm import load, stream_generate
-from mlx_lm.benchmark import main, random_prompt
+from mlx_lm import benchmark
+from mlx_lm.benchmark import main, random_prompt, random_prompts
 
 ROW = re.compile(r"^(Trial \d+|Averages):  ?(?:(plain|speculative): )?(.*)$")
 
@@ -79,7 +80,52 @@ def test_eos_does_not_cut_a_trial_short(tiny_model_dir, tmp_path, capsys):
     assert "Averages: prompt_tps=" in capsys.readouterr().out
 
 
+def test_a_batch_trial_generates_every_prompt_together(tiny_model_dir, capsys):
+    main(["--model", str(tiny_model_dir), "-p", "12", "-g", "5", "-n", "2", "--batch-size", "3",
+          "--prefill-step-size", "4"])
+    out = capsys.readouterr().out
+    assert "Timing with prompt_tokens=12, generation_tokens=5, batch_size=3.\n" in out
+    rows = parse_rows(out)
+    assert sorted(rows) == [("Averages", None), ("Trial 1", None), ("Trial 2", None)]
+    for values in rows.values():
+        assert list(values) == ["prompt_tps", "generation_tps", "peak_memory"]
+        check_plausible(values)
+
+
+def test_a_batch_speculates_with_a_draft(tiny_model_dir, noisy_draft_dir, capsys):
+    main(["--model", str(tiny_model_dir), "--draft-model", str(noisy_draft_dir), "-b", "2",
+          "-p", "8", "-g", "6", "-n", "1"])
+    rows = parse_rows(capsys.readouterr().out)
+    assert sorted(rows) == [("Averages", "plain"), ("Averages", "speculative"),
+                            ("Trial 1", "plain"), ("Trial 1", "speculative")]
+
+
+def test_batch_prompts_are_distinct_and_seeded(tiny_model_dir):
+    model, _ = load(str(tiny_model_dir))
+    prompts = random_prompts(model, 3, 10, seed=4)
+    assert len(prompts) == 3 and all(len(p) == 10 for p in prompts) and prompts[0] != prompts[1]
+    assert random_prompts(model, 3, 10, seed=4) == prompts
+    assert random_prompt(model, 10, seed=4) == random_prompts(model, 1, 10, seed=4)[0]
+
+
+def test_delay_sleeps_before_each_trial(tiny_model_dir, monkeypatch, capsys):
+    sleeps = []
+    monkeypatch.setattr(benchmark.time, "sleep", sleeps.append)
+    main(["--model", str(tiny_model_dir), "-p", "4", "-g", "2", "-n", "3", "--delay", "1.5"])
+    assert sleeps == [1.5, 1.5, 1.5]
+
+
+def test_quantize_activations_applies_to_the_loaded_model(tiny_model_dir, monkeypatch, capsys):
+    quantized = []
+    monkeypatch.setattr(benchmark, "quantize_activations", quantized.append)
+    main(["--model", str(tiny_model_dir), "-p", "4", "-g", "2", "-n", "1", "-qa"])
+    assert len(quantized) == 1 and hasattr(quantized[0], "layers")
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--pipeline"], "--pipeline: pipeline-parallel loading is not supported here"),
+    (["--delay", "-1"], "argument --delay: expected a number of seconds >= 0, got '-1'"),
+    (["-b", "0"], "argument --batch-size/-b: expected a positive integer, got 0"),
     (["-p", "0"], "argument --prompt-tokens/-p: expected a positive integer, got 0"),
     (["-g", "-3"], "argument --generation-tokens/-g: expected a positive integer, got -3"),
     (["-n", "many"], "argument --num-trials/-n: invalid positive_int value: 'many'"),
