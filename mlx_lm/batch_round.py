@@ -93,7 +93,7 @@ class Rounds:
         if self.last_round is not None and self.timed:
             num_rows, k, top = self.last_round
             seconds = time.perf_counter() - top
-            self.policy.learn_cost(num_rows, k, seconds)
+            self.policy.learn_round_time(num_rows, k, seconds)
             for row in self.table.rows:  # the rows of that round (none joined or left since)
                 if row.speculation is not None:
                     row.speculation.add_seconds(seconds)

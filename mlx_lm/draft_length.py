@@ -431,6 +431,7 @@ class LearnedBatchDraftLength:
     def __init__(self):
         self.costs: Dict[int, RoundCosts] = {}  # batch size -> its round costs
         self.pooled = AcceptanceEstimate(memory=32.0)  # every row's drafting rounds
+        self.shapes_seen: Set[Tuple[int, int]] = set()  # (batch size, K) whose first round is behind
 
 
 class BatchDraftLengthPolicy:
@@ -467,8 +468,9 @@ class BatchDraftLengthPolicy:
     called once a round: it counts the rounds to the next probe. With adaptive=False,
     K is the largest room (every row drafts its cap).
 
-    The generator calls `update` once a round (its K and outcome) and `learn_cost`
-    with the round's seconds when it was timed (at the next round's top). Given
+    The generator calls `update` once a round (its K and outcome) and
+    `learn_round_time` with the round's seconds when it was timed (at the next round's
+    top). Given
     `learned` (DRAFT_LENGTHS: what earlier generators of the same target and drafter
     learned), its costs and pooled acceptance are shared with them, so a new
     generator's first rounds choose from measured costs and its first rows start at
@@ -494,6 +496,7 @@ class BatchDraftLengthPolicy:
         self._chosen_at: Dict[int, int] = {}  # K -> the round it was last chosen
         self._probe_from_plain = False  # the last choice was a probe while the best was 0
         self.pooled = learned.pooled  # every row's drafting rounds
+        self.shapes_seen = learned.shapes_seen
 
     @property
     def num_rounds(self) -> int:
@@ -538,6 +541,15 @@ class BatchDraftLengthPolicy:
             if batch_size not in self.costs:
                 self.costs[batch_size] = RoundCosts(k, *self._cost_settings)
             self.costs[batch_size].learn(k, round_seconds)
+
+    def learn_round_time(self, batch_size: int, k: int, round_seconds: float) -> None:
+        """learn_cost from a timed round, but not from the first of each (batch size,
+        K): it carries one-off work (first calls at new shapes, such as a compiled
+        activation's), and a K measured dear is rarely chosen again, so only the odd
+        probe would bring its cost back down."""
+        if (batch_size, k) in self.shapes_seen:
+            self.learn_cost(batch_size, k, round_seconds)
+        self.shapes_seen.add((batch_size, k))
 
     def new_row(self) -> AcceptanceEstimate:
         """The acceptance estimate of a row joining the batch."""

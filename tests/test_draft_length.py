@@ -415,6 +415,22 @@ def test_memory_keys_by_models_and_setting_and_forgets_collected_models():
     assert len(memory) == 0
 
 
+def test_the_first_timed_round_of_each_shape_is_not_learned():
+    """A round's first call at new shapes carries one-off work: its time is dropped,
+    per (batch size, K), and the shapes seen are shared like the costs."""
+    learned = LearnedBatchDraftLength()
+    policy = BatchDraftLengthPolicy(learned=learned)
+    policy.learn_round_time(4, 3, 1.0)  # first K = 3 round at batch 4: dropped
+    assert policy.costs == {}
+    policy.learn_round_time(4, 3, 0.02)
+    assert policy.costs[4].costs(3)[3] == pytest.approx(0.02)
+    policy.learn_round_time(2, 3, 1.0)  # another batch size: its own first round
+    assert 2 not in policy.costs
+    later = BatchDraftLengthPolicy(learned=learned)
+    later.learn_round_time(4, 3, 0.03)
+    assert later.costs[4].costs(3)[3] > 0.02
+
+
 def test_batch_policies_share_costs_per_batch_size():
     learned = LearnedBatchDraftLength()
     first = BatchDraftLengthPolicy(learned=learned)
