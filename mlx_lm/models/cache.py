@@ -10,19 +10,21 @@ simply forget rows. A sliding window that has wrapped, and a recurrent state, ca
 between `start_speculation()` and `stop_speculation()` they keep a `RollbackLog` of
 the forwards they took part in, and `trim(n)` rewinds through it exactly.
 
-Upstream's other names live here too, some re-exported: QuantizedKVCache
-(quantized_cache.py), RotatingKVCache and ChunkedKVCache (rotating_cache.py), the
-batched classes (batch_cache.py), PromptTrie (prompt_trie.py), TokenBuffer,
-create_attention_mask and dynamic_roll.
+Upstream's other names live here too, some re-exported: ArraysCache (arrays_cache.py),
+QuantizedKVCache (quantized_cache.py), RotatingKVCache and ChunkedKVCache
+(rotating_cache.py), the batched classes (batch_cache.py), PromptTrie (prompt_trie.py),
+TokenBuffer, create_attention_mask and dynamic_roll. (Upstream's LRUPromptCache is
+mlx_lm.lru_prompt_cache's: it sits above the models, which import nothing of it.)
 """
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
+from .arrays_cache import ArraysCache
 from .cache_base import (  # noqa: F401  (create_attention_mask, dynamic_roll: upstream's home)
-    BATCH_CLASSES, ROLLBACK_WINDOW, RollbackLog, _AppendOnlyCache, _BaseCache, _grow, check_unpadded,
-    create_attention_mask, dynamic_roll, grown_capacity,
+    BATCH_CLASSES, ROLLBACK_WINDOW, _AppendOnlyCache, _BaseCache, _grow, create_attention_mask,
+    dynamic_roll, grown_capacity,
 )
 from .cache_files import read_cache_file, write_cache_file
 from .prompt_trie import PromptTrie, PromptTrieResult  # noqa: F401  (upstream's home of both)
@@ -112,137 +114,6 @@ class ConcatenateKVCache(KVCache):
         return n
 
 
-class ArraysCache(_BaseCache):
-    """A fixed number of state arrays (e.g. a recurrent layer's conv and SSM state).
-
-    The state after a token depends on every earlier token, so it cannot be trimmed by
-    dropping rows. While speculating, the layer that owns it records how to rebuild
-    the state after any prefix of each forward (`record_rollback`), and `trim` uses
-    those records.
-    """
-
-    needs_layer_records = True
-    _rollbacks: Optional[RollbackLog] = None  # set while speculating
-
-    def __init__(self, size: int, left_padding: Optional[Sequence[int]] = None):
-        # Upstream's batched recurrent caches mask padded inputs; the recurrent layers
-        # here read no mask (a batch prefills each row alone, then merges them), so
-        # padding would enter the state: it is refused, not ignored.
-        check_unpadded("left_padding", left_padding)
-        self.cache: List[Optional[mx.array]] = [None] * size
-
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        """Upstream's step before a batched prefill of prompts padded to one length:
-        here only unpadded ones (see __init__), which need nothing; `lengths` then
-        equal the prompt lengths."""
-        check_unpadded("left_padding", left_padding)
-        check_unpadded("right_padding", right_padding)
-
-    def finalize(self) -> None:
-        """Upstream's step after a padded prefill: nothing was padded (prepare)."""
-
-    def advance(self, num_tokens: int) -> None:
-        """Upstream's layers call it after consuming num_tokens, to count the padding
-        still to mask down; no padding is ever taken here (__init__), so none is left."""
-
-    @property
-    def speculating(self) -> bool:
-        """Whether layers should call record_rollback for their forwards."""
-        return self._rollbacks is not None
-
-    def start_speculation(self, rollback_window: int = ROLLBACK_WINDOW) -> None:
-        self._rollbacks = RollbackLog(rollback_window)
-
-    def stop_speculation(self) -> None:
-        self._rollbacks = None
-
-    def record_rollback(
-        self,
-        num_tokens: int,
-        fn: Callable[[int], List[Optional[mx.array]]],
-        snapshot: List[Optional[mx.array]],
-    ) -> None:
-        """Called by a layer during a speculative forward of num_tokens tokens:
-        `snapshot` holds the entries before it and `fn(m)` returns the exact entries
-        after only its first m tokens (0 < m < num_tokens); given a list of counts,
-        one per row (0 <= m[b] <= num_tokens), each row's after its own, in one replay
-        (a batch, models/batch_cache.py)."""
-        if self._rollbacks is None:
-            raise RuntimeError("record_rollback called on an ArraysCache that is not speculating")
-        snapshot = list(snapshot)
-        # A one-token forward is only ever undone whole: keeping `fn` (and the tensors
-        # it holds) would cost memory and stop MLX from updating buffers in place.
-        replay = fn if num_tokens > 1 else None
-
-        def rewind(m: int) -> None:
-            self.cache = list(replay(m)) if m else list(snapshot)
-
-        self._rollbacks.push(num_tokens, rewind)
-
-    def __getitem__(self, index: int) -> Optional[mx.array]:
-        return self.cache[index]
-
-    def __setitem__(self, index: int, value: Optional[mx.array]):
-        self.cache[index] = value
-
-    @property
-    def batch_size(self) -> int:
-        """Rows of the state arrays (1 before they are set: one sequence, as upstream)."""
-        return 1 if self.cache[0] is None else self.cache[0].shape[0]
-
-    def extract(self, index: int) -> "ArraysCache":
-        """Row `index` of the state arrays, as a cache of its own (upstream's)."""
-        if not 0 <= index < self.batch_size:
-            raise IndexError(f"row {index} does not exist in an ArraysCache of {self.batch_size} rows")
-        row = ArraysCache(len(self.cache))
-        # Copied: a slice would be a view keeping every row's arrays alive.
-        row.cache = [None if a is None else mx.contiguous(a[index : index + 1]) for a in self.cache]
-        return row
-
-    def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
-        return None
-
-    def size(self) -> int:
-        return 0
-
-    @property
-    def state(self):
-        return self.cache
-
-    @state.setter
-    def state(self, value):
-        self.cache = list(value)
-
-    @property
-    def meta_state(self):
-        return ""
-
-    @meta_state.setter
-    def meta_state(self, value):
-        pass
-
-    def is_trimmable(self) -> bool:
-        return self._rollbacks is not None
-
-    def trim(self, n: int) -> int:
-        if n <= 0:
-            return 0
-        if self._rollbacks is None:
-            raise RuntimeError(
-                "Cannot trim an ArraysCache outside speculation: recurrent state has no "
-                "per-token rows to drop"
-            )
-        self._rollbacks.rewind(n)
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.cache if a is not None)
-
-    def empty(self) -> bool:
-        return self.cache[0] is None
-
-
 class CacheList(_BaseCache):
     """Several caches serving one layer; trimmable iff every child is."""
 
@@ -251,6 +122,32 @@ class CacheList(_BaseCache):
 
     def __getitem__(self, index: int) -> _BaseCache:
         return self.caches[index]
+
+    # Upstream's batch forms, child by child (each child a batch of its kind).
+
+    def filter(self, batch_indices: Sequence[int]) -> "CacheList":
+        """Rows `batch_indices` of every child, as a new list (see ArraysCache.filter)."""
+        return type(self)(*(c.filter(batch_indices) for c in self.caches))
+
+    def extend(self, other: "CacheList") -> "CacheList":
+        """Other's rows after these, child by child, in place; returns self."""
+        if not isinstance(other, CacheList) or len(other.caches) != len(self.caches):
+            found = f"{len(other.caches)} children" if isinstance(other, CacheList) else f"a {type(other).__name__}"
+            raise ValueError(f"a CacheList of {len(self.caches)} children cannot be extended by {found}")
+        self.caches = tuple(c.extend(o) for c, o in zip(self.caches, other.caches))
+        return self
+
+    def extract(self, index: int) -> "CacheList":
+        """Row `index` of every child, as a CacheList of one sequence."""
+        return CacheList(*(c.extract(index) for c in self.caches))
+
+    def prepare(self, **padding) -> None:
+        for c in self.caches:
+            c.prepare(**padding)
+
+    def finalize(self) -> None:
+        for c in self.caches:
+            c.finalize()
 
     def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         """The mask of the children that need one (a recurrent child needs none). The

@@ -162,11 +162,29 @@ class _BaseCache:
         obj.meta_state = meta_state
         return obj
 
+    # Upstream's batch forms: a cache of one sequence has no rows to pick or join
+    # (ArraysCache and the batched classes have them).
+
+    def filter(self, batch_indices: Sequence[int]):
+        raise ValueError(_one_sequence(self, "filter"))
+
+    def extend(self, other: "_BaseCache"):
+        raise ValueError(_one_sequence(self, "extend"))
+
+    def extract(self, index: int):
+        raise ValueError(_one_sequence(self, "extract"))
+
     @classmethod
     def merge(cls, caches: Sequence["_BaseCache"]):
         """Upstream's: one layer's caches of several sequences (one kind, whichever class
         this is called on) as the batched cache holding them side by side."""
         return merge_entries(caches)
+
+
+def _one_sequence(cache: _BaseCache, method: str) -> str:
+    name = type(cache).__name__
+    return (f"a {name} holds one sequence, so it has no batch rows to {method}; batch the sequences' caches "
+            f"first ({name}.merge([...]))")
 
 
 class _AppendOnlyCache(_BaseCache):
@@ -219,6 +237,15 @@ BATCH_CLASSES: Dict[type, type] = {}  # exact cache class -> the class holding i
 def int_list(values) -> List[int]:
     """Row numbers or counts given as a list or an mx.array, as Python ints."""
     return values.tolist() if isinstance(values, mx.array) else [int(v) for v in values]
+
+
+def checked_rows(indices, batch_size: int) -> List[int]:
+    """Row numbers (a list or an mx.array), checked against the batch size."""
+    rows = int_list(indices)
+    bad = [i for i in rows if not 0 <= i < batch_size]
+    if bad:
+        raise IndexError(f"rows {bad} do not exist in a batch of {batch_size} rows")
+    return rows
 
 
 def check_unpadded(name: str, padding) -> None:

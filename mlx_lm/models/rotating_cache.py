@@ -367,6 +367,18 @@ class ChunkedKVCache(RotatingKVCache):
     def chunk_size(self) -> int:
         return self.max_size
 
+    @property
+    def start_position(self) -> int:
+        """Upstream's: the position of the oldest token held, max(0, offset - chunk_size).
+        (Upstream's buffer holds them in order from there; this ring returns them so for
+        a multi-token update, in ring order for a single token: make_mask answers for
+        what update_and_fetch returns either way.)"""
+        return self.offset - self.size()
+
+    def maybe_trim_front(self) -> None:
+        """Upstream's layers call it before each update, to drop the keys older than the
+        newest chunk_size; the ring never holds more than those, so nothing is dropped."""
+
     def make_mask(self, num_queries: int, window_size: Optional[int] = None, return_array: bool = False):
         """The chunked causal mask of num_queries new tokens over what update_and_fetch
         returns; None for a single query that sees every slot, "causal" (unless
