@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import KVCache, QuantizedKVCache, check_kv_quantization_params
-from .cache_base import grown_capacity, int_list
+from .cache_base import checked_rows as _rows, grown_capacity, int_list  # noqa: F401  (_rows: batch_arrays_cache's)
 
 
 NO_TOKEN = -1  # the position of a column that holds no token (padding, a rejected draft)
@@ -48,15 +48,6 @@ def _counts(values, name: str, batch_size: Optional[int] = None) -> List[int]:
     if any(c < 0 for c in counts):
         raise ValueError(f"{name} counts tokens and cannot be negative, got {counts}")
     return counts
-
-
-def _rows(indices, batch_size: int) -> List[int]:
-    """Row numbers (a list or an mx.array), checked against the batch size."""
-    rows = int_list(indices)
-    bad = [i for i in rows if not 0 <= i < batch_size]
-    if bad:
-        raise IndexError(f"rows {bad} do not exist in a batch of {batch_size} rows")
-    return rows
 
 
 class _NotSaved:
