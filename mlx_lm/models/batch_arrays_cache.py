@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .batch_kv_cache import _NotSaved, _rows
+from .batch_kv_cache import _NotSaved
 from .cache import ArraysCache, CacheList, SharedKVReader
 from .cache_base import RollbackLog, merge_entries
 
@@ -38,47 +38,7 @@ class BatchArraysCache(_NotSaved, ArraysCache):
             batch = batch.extend(c)
         return batch
 
-    _rows_without_state = 0  # while the arrays are None: how many rows have seen no token
-
-    @property
-    def batch_size(self) -> int:
-        return self._rows_without_state if self.cache[0] is None else self.cache[0].shape[0]
-
-    def _like(self, arrays: List[Optional[mx.array]], num_rows: int) -> "BatchArraysCache":
-        made = BatchArraysCache(len(arrays))
-        made.cache = arrays
-        # Speculating as these rows, without their records (they replay the rows they were taken of).
-        made._rollbacks = None if self._rollbacks is None else RollbackLog(self._rollbacks.window)
-        made._rows_without_state = num_rows if arrays[0] is None else 0
-        return made
-
-    def extend(self, other: ArraysCache) -> "BatchArraysCache":
-        """Other's rows (a batch's or one sequence's) after these, in place; returns self.
-        A row that has seen no token cannot join rows that have (nor they it): upstream
-        gives it zeros, but a layer may start a sequence differently from a zero state
-        (recurrent_gemma's RG-LRU)."""
-        if not isinstance(other, ArraysCache):
-            raise ValueError(f"a BatchArraysCache cannot be extended by a {type(other).__name__}")
-        if len(other.cache) != len(self.cache):
-            raise ValueError(f"ArraysCache of {len(other.cache)} arrays cannot join a batch of {len(self.cache)}")
-        num_rows, joined = other.batch_size, []
-        for mine, theirs in zip(self.cache, other.cache):
-            if (mine is None) != (theirs is None) and self.batch_size and num_rows:
-                raise ValueError("a recurrent cache that has seen no token cannot join one that has "
-                                 "(prefill a token alone first)")
-            joined.append(theirs if mine is None else mine if theirs is None else mx.concatenate([mine, theirs]))
-        rows = self.batch_size + num_rows
-        self.cache = joined
-        if self._rollbacks is not None:
-            self._rollbacks.records = []  # records replay the rows they were taken of
-        self._rows_without_state = rows if joined[0] is None else 0
-        return self
-
-    def filter(self, indices: Sequence[int]) -> "BatchArraysCache":
-        """Rows `indices` as a new batch; this one is left whole (upstream: in place)."""
-        rows = _rows(indices, self.batch_size)
-        at = mx.array(rows, dtype=mx.int32)
-        return self._like([None if a is None else mx.take(a, at, axis=0) for a in self.cache], len(rows))
+    _rows_without_state = 0  # an empty batch has no rows
 
     def start_speculation(self, rollback_window: int = 1) -> None:
         self._rollbacks = RollbackLog(max(rollback_window, 1))
@@ -143,17 +103,6 @@ class BatchCacheList(CacheList):
     def merge(cls, caches: Sequence[CacheList]) -> "BatchCacheList":
         return cls(*(merge_entries([c.caches[i] for c in caches]) for i in range(len(caches[0].caches))))
 
-    def extend(self, other: CacheList) -> "BatchCacheList":
-        """Other's rows after these, child by child, in place; returns self."""
-        self.caches = tuple(extend_entry(a, b) for a, b in zip(self.caches, other.caches))
-        return self
-
-    def filter(self, indices: Sequence[int]) -> "BatchCacheList":
-        return BatchCacheList(*(c.filter(indices) for c in self.caches))
-
-    def extract(self, index: int) -> CacheList:
-        return CacheList(*(c.extract(index) for c in self.caches))
-
     def trim_rows(self, counts: Sequence[int]) -> None:
         for c in self.caches:
             c.trim_rows(counts)
@@ -165,14 +114,6 @@ class BatchCacheList(CacheList):
     def make_room(self, num_new: int) -> None:
         for c in self.caches:
             c.make_room(num_new)
-
-    def prepare(self, **padding) -> None:
-        for c in self.caches:
-            c.prepare(**padding)
-
-    def finalize(self) -> None:
-        for c in self.caches:
-            c.finalize()
 
 
 class BatchSharedKVReader(_NotSaved, SharedKVReader):
