@@ -26,6 +26,7 @@ from mlx_lm.models.kda import (
     KDA_CHUNKS_PER_BLOCK,
     compute_kda_g,
     kda_chunked,
+    kda_recorded,
     kda_recurrence,
     kda_replay,
     kda_sequential,
@@ -375,6 +376,29 @@ def test_kda_recurrence_dispatches_and_checks_shapes():
     assert kda_recurrence(q, k, v, g, beta)[1].shape == inputs[5].shape  # zero state
     with pytest.raises(ValueError, match="KDA inputs disagree"):
         kda_recurrence(q, k, v, g[..., 0], beta)  # a scalar gate is the other path
+
+
+def test_kda_recorded_short_forward_rewinds_to_the_state_feeding_gives():
+    """As for the scalar gate: a verify-length KDA forward keeps each step's state,
+    and rewinding to m (one m, or one per row) is bit for bit feeding those m tokens;
+    a prefill-length one replays."""
+    q, k, v, g, beta, state = make_kda_inputs(B=3, T=5, seed=350)
+    y, final, state_after = kda_recorded(q, k, v, g, beta, state)
+    plain_y, plain_final = kda_recurrence(q, k, v, g, beta, state)
+    assert mx.array_equal(y, plain_y) and mx.array_equal(final, plain_final)
+    fed = [state] + [kda_recurrence(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)[1]
+                     for m in range(1, 6)]
+    for m in range(6):
+        assert mx.array_equal(state_after(m), fed[m])
+    per_row = state_after([4, 0, 2])
+    for b, m in enumerate([4, 0, 2]):
+        assert mx.array_equal(per_row[b], fed[m][b])
+    T = CHUNKED_MIN_TOKENS + 3
+    q, k, v, g, beta, state = make_kda_inputs(B=2, T=T, seed=351)
+    _, final, state_after = kda_recorded(q, k, v, g, beta, state)
+    want = kda_recurrence(*[x[:, :7] for x in (q, k, v, g, beta)], state)[1]
+    assert relative_error(state_after(7), want) < FP32_TOLERANCE
+    assert relative_error(state_after([7, T])[1], final[1]) < FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("T", [1, 3, 5, 8])

@@ -10,7 +10,8 @@ The chunked form needs the decay between two tokens of a chunk per channel, a (C
 tensor per head: chunks are kept smaller.
 """
 
-from typing import Optional, Sequence, Tuple
+from functools import partial
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -21,6 +22,7 @@ from .gated_delta import (
     _fp32_inputs,
     _scan_chunks,
     _to_chunks,
+    select_state,
     unit_lower_inverse,
 )
 from .ssm import steps_mask
@@ -55,8 +57,9 @@ def _kda_step(state, q, k, v, g, beta):
     return y, state
 
 
-def _step_through(step, q, k, v, g, beta, state):
-    """Run `step` over the T tokens: value heads grouped by key head (B, Hk, r, ...)."""
+def _step_through(step, q, k, v, g, beta, state, states_after=None):
+    """Run `step` over the T tokens: value heads grouped by key head (B, Hk, r, ...).
+    `states_after`, if given, gets the state after each step."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     r = Hv // Hk
@@ -68,19 +71,23 @@ def _step_through(step, q, k, v, g, beta, state):
     for t in range(T):
         y, S = step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
         ys.append(y)
+        if states_after is not None:
+            states_after.append(S.reshape(B, Hv, Dv, Dk))
     y = mx.stack(ys, axis=1)  # (B, T, Hk, r, Dv)
     return y.reshape(B, T, Hv, Dv), S.reshape(B, Hv, Dv, Dk)
 
 
 def kda_sequential(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
+    states_after: Optional[List[mx.array]] = None,
 ) -> Tuple[mx.array, mx.array]:
     """KDA one token at a time.
 
     q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g (B, T, Hv, Dk); beta (B, T, Hv); state
     (B, Hv, Dv, Dk) fp32 -> y (B, T, Hv, Dv) fp32, state (B, Hv, Dv, Dk) fp32.
+    `states_after`, if given, gets the state after each step.
     """
-    return _step_through(_kda_step, q, k, v, g, beta, state)
+    return _step_through(_kda_step, q, k, v, g, beta, state, states_after)
 
 
 def _kda_intra_chunk(k: mx.array, log_g: mx.array, beta: mx.array):
@@ -159,6 +166,32 @@ def kda_recurrence(
     """
     g, beta, state = _fp32_inputs(q, k, v, g, beta, state, per_channel=True)
     return _by_length(kda_sequential, kda_chunked, q, k, v, g, beta, state)
+
+
+def kda_recorded(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+) -> Tuple[mx.array, mx.array, Callable[[Union[int, Sequence[int]]], mx.array]]:
+    """kda_recurrence for a forward a speculative rollback may undo, as
+    gated_delta_recorded: also `state_after(m)`, the state after its first m tokens (m
+    a list: row b after its own m[b]), selected from the steps' states when it stepped
+    (bit for bit what feeding those m tokens gives), replayed after a long forward."""
+    g, beta, state = _fp32_inputs(q, k, v, g, beta, state, per_channel=True)
+    states = [state]
+    y, new_state = _by_length(partial(kda_sequential, states_after=states), kda_chunked, q, k, v, g, beta, state)
+    if len(states) > q.shape[1]:  # it stepped: the state after every prefix is kept
+        return y, new_state, partial(select_state, states)
+    return y, new_state, partial(_replayed_state, q, k, v, g, beta, state)
+
+
+def _replayed_state(q, k, v, g, beta, state, m):
+    n = m if isinstance(m, int) else max(m)
+    return kda_replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state,
+                      num_steps=None if isinstance(m, int) else m)
 
 
 def kda_replay(

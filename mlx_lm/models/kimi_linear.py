@@ -53,8 +53,8 @@ import mlx.nn as nn
 from . import sharding
 from .base import BaseModelArgs, check_layer_types, run_hybrid_layers
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_beta
-from .kda import compute_kda_g, kda_recurrence, kda_replay
+from .gated_delta import compute_beta, entries_after
+from .kda import compute_kda_g, kda_recorded, kda_recurrence
 from .llama import MLP
 # latent_attention: minicpm3 reads it from here (written while this moved to mla.py)
 from .mla import LatentAttention, latent_attention  # noqa: F401
@@ -213,19 +213,6 @@ class SigmoidGatedRMSNorm(nn.Module):
         return (normed * mx.sigmoid(gate.astype(mx.float32))).astype(y.dtype)
 
 
-def replay_kda_prefix(conv_input: mx.array, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-                      state: Optional[mx.array], m: Union[int, List[int]]) -> List[mx.array]:
-    """A KDA layer's cache entries after only the first m tokens of a recorded forward
-    (m a list: row b after its own m[b], in one replay): the recorded recurrence inputs
-    (q, k (B, T, H, Dk), v (B, T, H, Dv), g (B, T, H, Dk), beta (B, T, H)) replayed m
-    steps from the pre-forward `state`, and rows [m, m+K-1) of the conv input
-    (B, K-1+T, C). Returns [conv_state, recurrent_state]."""
-    per_row = None if isinstance(m, int) else m
-    n = m if per_row is None else max(m)
-    state = kda_replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state, num_steps=per_row)
-    return [conv_state_after(conv_input, m, conv_input.shape[1] - q.shape[1] + 1), state]
-
-
 class DeltaAttention(nn.Module):
     """Kimi Delta Attention: short convs on q, k, v, then the per-channel-decay delta rule."""
 
@@ -274,11 +261,12 @@ class DeltaAttention(nn.Module):
         conv_input = self.conv_input(qkv, cache)  # (B, K-1+T, 3 qkv_dim)
         q, k, v, g, beta = self.inputs(x, nn.silu(causal_conv1d(conv_input, self.conv1d.weight)))
         state = None if cache is None else cache[RECURRENT_STATE]
-        y, new_state = kda_recurrence(q, k, v, g, beta, state)  # (B, T, H, Dv)
+        if cache is not None and cache.speculating:
+            y, new_state, state_after = kda_recorded(q, k, v, g, beta, state)  # (B, T, H, Dv)
+            cache.record_rollback(T, partial(entries_after, conv_input, T, state_after), [cache[CONV_STATE], state])
+        else:
+            y, new_state = kda_recurrence(q, k, v, g, beta, state)
         if cache is not None:
-            if cache.speculating:  # replay needs exactly what the recurrence consumed
-                cache.record_rollback(T, partial(replay_kda_prefix, conv_input, q, k, v, g, beta, state),
-                                      [cache[CONV_STATE], state])
             cache[CONV_STATE] = conv_state_after(conv_input, T, self.conv_kernel_size)
             cache[RECURRENT_STATE] = new_state
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, self.num_heads, -1)  # (B, T, H, Dv)
