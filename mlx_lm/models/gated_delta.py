@@ -353,18 +353,24 @@ def gated_delta_recorded(
     cost of a gather instead of a replay (a replay is dozens of small ops a layer, the
     larger part of a batch round's rollback on the CPU). Long forwards replay."""
     g, beta, fp32_state = _fp32_inputs(q, k, v, g, beta, state)
-    states = [fp32_state]
-    stepping = partial(gated_delta_sequential, states_after=states)
-    y, new_state = _by_length(stepping, gated_delta_chunked, q, k, v, g, beta, fp32_state)
+    return recorded(gated_delta_sequential, gated_delta_chunked, gated_delta_replay, q, k, v, g, beta, fp32_state)
+
+
+def recorded(sequential: Callable, chunked: Callable, replay: Callable, q, k, v, g, beta, state):
+    """A delta rule's forward (its `sequential` and `chunked` paths, inputs already as
+    they take them) with `state_after(m)`: selected from the steps' states when it
+    stepped, else `replay`ed."""
+    states = [state]
+    y, new_state = _by_length(partial(sequential, states_after=states), chunked, q, k, v, g, beta, state)
     if len(states) > q.shape[1]:  # it stepped: the state after every prefix is kept
         return y, new_state, partial(select_state, states)
-    return y, new_state, partial(_replayed_state, q, k, v, g, beta, fp32_state)
+    return y, new_state, partial(_replayed_state, replay, q, k, v, g, beta, state)
 
 
-def _replayed_state(q, k, v, g, beta, state, m):
+def _replayed_state(replay, q, k, v, g, beta, state, m):
     n = m if isinstance(m, int) else max(m)
-    return gated_delta_replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state,
-                              num_steps=None if isinstance(m, int) else m)
+    return replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state,
+                  num_steps=None if isinstance(m, int) else m)
 
 
 def select_state(states: List[mx.array], m: Union[int, Sequence[int]]) -> mx.array:

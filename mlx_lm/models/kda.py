@@ -10,7 +10,6 @@ The chunked form needs the decay between two tokens of a chunk per channel, a (C
 tensor per head: chunks are kept smaller.
 """
 
-from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -22,7 +21,7 @@ from .gated_delta import (
     _fp32_inputs,
     _scan_chunks,
     _to_chunks,
-    select_state,
+    recorded,
     unit_lower_inverse,
 )
 from .ssm import steps_mask
@@ -181,17 +180,7 @@ def kda_recorded(
     a list: row b after its own m[b]), selected from the steps' states when it stepped
     (bit for bit what feeding those m tokens gives), replayed after a long forward."""
     g, beta, state = _fp32_inputs(q, k, v, g, beta, state, per_channel=True)
-    states = [state]
-    y, new_state = _by_length(partial(kda_sequential, states_after=states), kda_chunked, q, k, v, g, beta, state)
-    if len(states) > q.shape[1]:  # it stepped: the state after every prefix is kept
-        return y, new_state, partial(select_state, states)
-    return y, new_state, partial(_replayed_state, q, k, v, g, beta, state)
-
-
-def _replayed_state(q, k, v, g, beta, state, m):
-    n = m if isinstance(m, int) else max(m)
-    return kda_replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state,
-                      num_steps=None if isinstance(m, int) else m)
+    return recorded(kda_sequential, kda_chunked, kda_replay, q, k, v, g, beta, state)
 
 
 def kda_replay(
