@@ -12,6 +12,7 @@ from mlx_lm.models.ssm import (
     discretize_dt,
     gated_rms_norm,
     ssd_chunked,
+    ssd_recorded,
     ssd_replay,
     ssd_sequential,
     ssd_update,
@@ -191,3 +192,25 @@ def test_upstream_ssm_update_matches_naive(T, padding):
     assert rel(mx.array(np.array(y)[valid]), want_y[valid]) < 1e-4  # real tokens only
     want_dt = np.clip(np.logaddexp(np.array(dt) + np.array(dt_bias), 0), 0.01, 10)
     assert ssm.ssm_attn is ssm.ssm_update and rel(ssm.compute_dt(dt, dt_bias, (0.01, 10.0)), want_dt) < 1e-6
+
+
+def test_recorded_verify_rewinds_to_the_state_feeding_gives():
+    """A verify-length forward keeps each step's state: rewinding to m (one m, or one
+    per row) is bit for bit feeding only those m tokens; a prefill-length forward
+    replays (to rounding)."""
+    x, dt, A, B, C, state = (mx.array(a) for a in inputs(5, b=3, seed=7))
+    y, final, state_after = ssd_recorded(x, dt, A, B, C, state)
+    plain_y, plain_final = ssd_update(x, dt, A, B, C, state)
+    assert mx.array_equal(y, plain_y) and mx.array_equal(final, plain_final)
+    fed = [state] + [ssd_update(x[:, :m], dt[:, :m], A, B[:, :m], C[:, :m], state)[1] for m in range(1, 6)]
+    for m in range(6):
+        assert mx.array_equal(state_after(m), fed[m])
+    per_row = state_after([4, 0, 2])
+    for b, m in enumerate([4, 0, 2]):
+        assert mx.array_equal(per_row[b], fed[m][b])
+    T = ssm.CHUNKED_MIN_TOKENS + 3
+    x, dt, A, B, C, state = (mx.array(a) for a in inputs(T, seed=8))
+    _, final, state_after = ssd_recorded(x, dt, A, B, C, state)
+    want = ssd_update(x[:, :7], dt[:, :7], A, B[:, :7], C[:, :7], state)[1]
+    assert mx.allclose(state_after(7), want, atol=1e-5)
+    assert mx.allclose(state_after([7, T])[1], final[1], atol=1e-5)

@@ -36,7 +36,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .ssm import conv_state_after, steps_mask
+from .ssm import conv_state_after, entries_after, select_state, steps_mask
 
 # A GDN layer's cache entries (an ArraysCache of two).
 CONV_STATE, RECURRENT_STATE = 0, 1
@@ -371,24 +371,6 @@ def _replayed_state(replay, q, k, v, g, beta, state, m):
     n = m if isinstance(m, int) else max(m)
     return replay(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state,
                   num_steps=None if isinstance(m, int) else m)
-
-
-def select_state(states: List[mx.array], m: Union[int, Sequence[int]]) -> mx.array:
-    """states[m] (states[t]: after t steps, (B, ...)), or row b of states[m[b]] for each b."""
-    if isinstance(m, int):
-        return states[m]
-    if len(set(m)) == 1:
-        return states[m[0]]
-    return mx.concatenate([states[m_b][b : b + 1] for b, m_b in enumerate(m)])
-
-
-def entries_after(conv_input: mx.array, num_tokens: int, state_after: Callable, m: Union[int, List[int]]) -> List[mx.array]:
-    """A GDN layer's cache entries after only the first m of the num_tokens tokens of a
-    recorded forward (m a list: row b after its own m[b]): the conv state is rows
-    [m, m+K-1) of the conv input (B, K-1+T, C) (causality), the recurrent state
-    `state_after(m)` (gated_delta.gated_delta_recorded). [conv, recurrent]."""
-    kernel_size = conv_input.shape[1] - num_tokens + 1
-    return [conv_state_after(conv_input, m, kernel_size), state_after(m)]
 
 
 def gated_delta_cached(conv_input: mx.array, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,

@@ -14,8 +14,8 @@ What differs from llama:
   every path, so prefill, verify and decode compute one recurrence (they differ only
   where softplus(dt + dt_bias) < time_step_min).
 - While the cache speculates, each Mamba-2 layer records its pre-forward states and
-  the per-token recurrence inputs (conv input, x, dt, B); a rollback to m tokens
-  replays m steps (`replay_prefix`, DESIGN.md §2).
+  its forward (`ssm.ssd_recorded`): a rollback to m tokens of a verify selects the
+  state its m-th step computed, of a long forward replays m steps (DESIGN.md §2).
 - Attention has no positional encoding (the Mamba layers carry order) and no biases.
 - MLPs are not gated: down(relu(up(x))^2). MoE: a sigmoid router with a score
   correction bias and group-limited top-k, non-gated relu^2 experts (optionally in a
@@ -47,7 +47,7 @@ from .base import (
     scaled_dot_product_attention,
 )
 from .cache import ArraysCache, KVCache
-from .ssm import causal_conv1d, conv_state_after, discretize_dt, gated_rms_norm, ssd_replay, ssd_update
+from .ssm import causal_conv1d, conv_state_after, discretize_dt, entries_after, gated_rms_norm, ssd_recorded, ssd_update
 from .switch_layers import SwitchLinear
 
 MAMBA, ATTENTION, MLP_BLOCK, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -225,22 +225,6 @@ def route(logits: mx.array, correction_bias: mx.array, top_k: int, num_groups: i
     return experts, weights * scaling
 
 
-def replay_prefix(conv_input: mx.array, x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
-                  state: Optional[mx.array], kernel_size: int, m: Union[int, List[int]]) -> List[mx.array]:
-    """A Mamba-2 layer's cache entries after only the first m tokens of a recorded forward
-    (m a list: row b after its own m[b], in one replay).
-
-    The forward's recurrence inputs (x (b, T, H, P), dt (b, T, H) discretised, A (H,),
-    B (b, T, G, N)) are replayed for m steps from the pre-forward `state`; by causality
-    that is the state after m tokens. C only reads the state, so it is not needed. The
-    conv state is rows [m, m+K-1) of the conv input (b, K-1+T, ch).
-    Returns [conv_state, ssm_state]."""
-    per_row = None if isinstance(m, int) else m
-    n = m if per_row is None else max(m)
-    state = ssd_replay(x[:, :n], dt[:, :n], A, B[:, :n], state, num_steps=per_row)
-    return [conv_state_after(conv_input, m, kernel_size), state]
-
-
 class GatedRMSNorm(nn.Module):
     """gated_rms_norm with its weight, over groups of `group_size` channels."""
 
@@ -313,12 +297,13 @@ class Mamba2Mixer(nn.Module):
         x, dt, B, C = self.ssm_inputs(conv_out, dt)
         A = -mx.exp(self.A_log.astype(mx.float32))
         state = None if cache is None else cache[SSM_STATE]
-        y, new_state = ssd_update(x, dt, A, B, C, state)  # (b, T, H, P)
+        if cache is not None and cache.speculating:
+            y, new_state, state_after = ssd_recorded(x, dt, A, B, C, state)  # (b, T, H, P)
+            cache.record_rollback(T, partial(entries_after, conv_input, T, state_after), [cache[CONV_STATE], state])
+        else:
+            y, new_state = ssd_update(x, dt, A, B, C, state)
         y = y + x * self.D[:, None].astype(x.dtype)
         if cache is not None:
-            if cache.speculating:
-                replay = partial(replay_prefix, conv_input, x, dt, A, B, state, self.conv_kernel_size)
-                cache.record_rollback(T, replay, [cache[CONV_STATE], state])
             cache[CONV_STATE] = conv_state_after(conv_input, T, self.conv_kernel_size)
             cache[SSM_STATE] = new_state
         return self.out_proj(self.gated_output(y.reshape(b, T, -1), gate))

@@ -20,7 +20,8 @@ References: Dao and Gu, "Transformers are SSMs" (arXiv 2405.21060); transformers
 """
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from functools import partial
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -89,17 +90,20 @@ def _grouped(x, dt, A, B, state):
 
 
 def ssd_sequential(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
-                   state: mx.array) -> Tuple[mx.array, mx.array]:
+                   state: mx.array, states_after: Optional[List[mx.array]] = None) -> Tuple[mx.array, mx.array]:
     """The recurrence one token at a time (the reference).
 
     x (b, T, H, P); dt (b, T, H) discretised; A (H,); B, C (b, T, G, N); state
-    (b, H, P, N) fp32 -> y (b, T, H, P) fp32 (no D term), state (b, H, P, N) fp32."""
+    (b, H, P, N) fp32 -> y (b, T, H, P) fp32 (no D term), state (b, H, P, N) fp32.
+    `states_after`, if given, gets the state after each step."""
     Bt, T, H, P = x.shape
     xg, dtg, Ag, S = _grouped(x, dt, A, B, state)
     ys = []
     for t in range(T):
         y, S = _step(S, xg[:, t], dtg[:, t], Ag, B[:, t], C[:, t])
         ys.append(y)
+        if states_after is not None:
+            states_after.append(S.reshape(state.shape))
     return mx.stack(ys, axis=1).reshape(Bt, T, H, P), S.reshape(state.shape)
 
 
@@ -182,6 +186,28 @@ def ssd_update(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
     return y.astype(dtype), state
 
 
+def ssd_recorded(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
+                 state: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, Callable]:
+    """ssd_update for a forward a speculative rollback may undo: also `state_after(m)`,
+    the state after its first m tokens (m a list: row b after its own m[b]). A short
+    forward (a verify) steps anyway, so each step's state is kept and a rollback
+    selects one: bit for bit what feeding those m tokens gives (ssd_replay's closed
+    form agrees only to rounding). Long forwards replay."""
+    dtype = x.dtype
+    x, dt, A, B, C, state = _fp32_inputs(x, dt, A, B, C, state)
+    if x.shape[1] < CHUNKED_MIN_TOKENS:
+        states = [state]
+        y, new_state = ssd_sequential(x, dt, A, B, C, state, states_after=states)
+        return y.astype(dtype), new_state, partial(select_state, states)
+    y, new_state = ssd_chunked(x, dt, A, B, C, state)
+    return y.astype(dtype), new_state, partial(_replayed_state, x, dt, A, B, state)
+
+
+def _replayed_state(x, dt, A, B, state, m):
+    n = m if isinstance(m, int) else max(m)
+    return ssd_replay(x[:, :n], dt[:, :n], A, B[:, :n], state, num_steps=None if isinstance(m, int) else m)
+
+
 def ssd_replay(x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
                state: Optional[mx.array] = None, num_steps: Optional[Sequence[int]] = None) -> mx.array:
     """Only the state after T recorded steps from `state`: a speculative rollback
@@ -207,6 +233,25 @@ def ssd_replay(x: mx.array, dt: mx.array, A: mx.array, B: mx.array,
     writes = xw @ B.transpose(0, 2, 1, 3)[:, :, None]  # (b, G, r, P, N)
     S = mx.exp(gamma[:, -1])[..., None, None] * S + writes
     return S.reshape(state.shape)
+
+
+def select_state(states: List[mx.array], m: Union[int, Sequence[int]]) -> mx.array:
+    """states[m] (states[t]: after t steps, (B, ...)), or row b of states[m[b]] for each b."""
+    if isinstance(m, int):
+        return states[m]
+    if len(set(m)) == 1:
+        return states[m[0]]
+    return mx.concatenate([states[m_b][b : b + 1] for b, m_b in enumerate(m)])
+
+
+def entries_after(conv_input: mx.array, num_tokens: int, state_after: Callable, m: Union[int, List[int]]) -> List[mx.array]:
+    """The cache entries of a layer with a short conv before its recurrence (GDN, KDA,
+    Mamba-2) after only the first m of the num_tokens tokens of a recorded forward (m a
+    list: row b after its own m[b]): the conv state is rows [m, m+K-1) of the conv input
+    (B, K-1+T, C) (causality), the recurrent state `state_after(m)` (a `*_recorded`
+    forward's). [conv, recurrent]."""
+    kernel_size = conv_input.shape[1] - num_tokens + 1
+    return [conv_state_after(conv_input, m, kernel_size), state_after(m)]
 
 
 def steps_mask(num_steps: Sequence[int], num_tokens: int) -> mx.array:
