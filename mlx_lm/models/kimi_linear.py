@@ -53,14 +53,14 @@ import mlx.nn as nn
 from . import sharding
 from .base import BaseModelArgs, check_layer_types, run_hybrid_layers
 from .cache import ArraysCache, KVCache
-from .gated_delta import compute_beta, entries_after
+from .gated_delta import compute_beta
 from .kda import compute_kda_g, kda_recorded, kda_recurrence
 from .llama import MLP
 # latent_attention: minicpm3 reads it from here (written while this moved to mla.py)
 from .mla import LatentAttention, latent_attention  # noqa: F401
 from .nemotron_h import TopkRouter, route
 from .qwen3_next import causal_conv1d, l2_normalize, split_fused_experts
-from .ssm import conv_state_after
+from .ssm import conv_state_after, entries_after
 from .switch_layers import SwitchGLU
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
