@@ -142,7 +142,7 @@ def test_constructor_padding_offsets_and_mask():
         cache.update_and_fetch(mx.zeros((3, 1, 1, 1)), mx.zeros((3, 1, 1, 1)))
 
 
-def test_extend_is_in_place_and_filter_returns_a_new_batch():
+def test_extend_and_filter_are_in_place():
     a, b = BatchKVCache([2, 1, 2]), BatchKVCache([3, 0])
     a.update_and_fetch(mx.ones((3, 1, 8, 2), mx.bfloat16), mx.ones((3, 1, 8, 2), mx.bfloat16))
     b.update_and_fetch(mx.ones((2, 1, 4, 2), mx.bfloat16), mx.ones((2, 1, 4, 2), mx.bfloat16))
@@ -151,12 +151,13 @@ def test_extend_is_in_place_and_filter_returns_a_new_batch():
     empty = BatchKVCache.merge([KVCache()])
     a.extend(empty)  # a new row with nothing yet keeps the dtype
     assert a.keys.dtype == mx.bfloat16 and a.offset.tolist() == [6, 7, 6, 1, 4, 0]
-    # Deliberately unlike upstream (which filters in place): the receiver stays whole.
-    kept = a.filter(mx.array([3, 1]))
-    assert a.batch_size == 6 and kept.offset.tolist() == [1, 7]
-    assert kept.left_padding.tolist() == [6, 0] and kept.width == 7  # the column no kept row holds is gone
     with pytest.raises(IndexError, match=r"rows \[6\] do not exist in a batch of 6"):
         a.filter([0, 6])
+    assert a.batch_size == 6  # a bad filter changes nothing
+    # As upstream's: in place (code that ignores the return value keeps working), and returns self.
+    assert a.filter(mx.array([3, 1])) is a
+    assert a.batch_size == 2 and a.offset.tolist() == [1, 7]
+    assert a.left_padding.tolist() == [6, 0] and a.width == 7  # the column no kept row holds is gone
     with pytest.raises(ValueError, match="cannot be extended by a BatchRotatingKVCache"):
         a.extend(BatchRotatingKVCache(4, [0]))
 

@@ -235,9 +235,10 @@ def test_batch_kv_cache_layout_and_mask():
     assert mask[1, 0, 0].tolist() == [True] * 6 + [False]
     back = extract_caches([batch], 0)[0]
     assert mx.array_equal(back.state[0], rows[0].state[0]) and back.offset == 3
-    kept = batch.filter([1])
-    assert kept.num_invalid == [0] and kept.width == 5
     assert batch.positions[:, :5].tolist() == [[-1, -1, 0, 1, 2], [0, 1, 2, 3, 4]]
+    kept = batch.filter([1])  # in place, as upstream's
+    assert kept is batch and kept.num_invalid == [0] and kept.width == 5
+    assert kept.positions[:, :5].tolist() == [[0, 1, 2, 3, 4]]
 
 
 def test_batch_kv_cache_trims_each_row_and_squeezes_holes(monkeypatch):

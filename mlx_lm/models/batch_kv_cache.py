@@ -332,6 +332,11 @@ class _AlignedKV(_NotSaved):
         self._right_padding = None
         self.trim_rows(padding)
 
+    def filter(self, indices: Sequence[int]) -> "_AlignedKV":
+        """Only rows `indices` stay, in that order, in place (as upstream's); returns self."""
+        self._set_rows(*self._take_rows(indices))
+        return self
+
     def _take_rows(self, indices: Sequence[int]):
         if self._right_padding is not None:
             raise ValueError("finalize() a padded prefill before the batch changes rows")
@@ -421,11 +426,6 @@ class BatchKVCache(_AlignedKV):
         """Other's rows after these, in place (as upstream's); returns self."""
         return self._extend(other)
 
-    def filter(self, indices: Sequence[int]) -> "BatchKVCache":
-        """Rows `indices` (in that order) as a new batch; this one is left whole (upstream
-        filters in place)."""
-        return self._like(*self._take_rows(indices))
-
     def extract(self, index: int) -> KVCache:
         cache = KVCache()
         columns = [] if self.buffers is None else self._row_columns(index)
@@ -473,10 +473,6 @@ class BatchQuantizedKVCache(_AlignedKV, QuantizedKVCache):
             raise ValueError(f"quantized caches of bits {self.bits} and {other.bits} (group sizes {self.group_size}, "
                              f"{other.group_size}) cannot share a batch")
         return self._extend(other)
-
-    def filter(self, indices: Sequence[int]) -> "BatchQuantizedKVCache":
-        """Rows `indices` as a new batch; this one is left whole."""
-        return self._like(*self._take_rows(indices))
 
     def extract(self, index: int) -> QuantizedKVCache:
         cache = QuantizedKVCache(self.group_size, self.bits)

@@ -70,10 +70,6 @@ class BatchRotatingKVCache(_AlignedKV):
             raise ValueError(f"rotating caches of sizes {self.max_size} and {other.max_size} cannot share a batch")
         return self._extend(other)
 
-    def filter(self, indices: Sequence[int]) -> "BatchRotatingKVCache":
-        """Rows `indices` as a new batch; this one is left whole (upstream: in place)."""
-        return self._like(*self._take_rows(indices))
-
     def extract(self, index: int) -> RotatingKVCache:
         """The row as a RotatingKVCache holding its newest tokens in temporal order
         (the write index past them: the next write overwrites the oldest)."""
