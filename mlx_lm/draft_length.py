@@ -459,8 +459,11 @@ class BatchDraftLengthPolicy:
     since only their ratios across K matter). K = 0 is a plain step. After every
     `probe_interval` rounds another K is tried instead: the one chosen least recently
     (a plain step too: a batch that drafts well still learns what plain steps cost,
-    not only the prior's guess), K = 1 from 0. So costs stay measured and rows whose
-    drafts start agreeing again are noticed. While the best is 0, a probe that had
+    not only the prior's guess), the largest room from 0: rows back in agreeing text
+    then show it by up to K acceptances each, where a K = 1 probe (at the demo pair's
+    batch-4 costs, a round that never pays) gave one, and a batch whose rows had dipped
+    below break-even stayed plain for hundreds of rounds. So costs stay measured and
+    rows whose drafts start agreeing again are noticed. While the best is 0, a probe that had
     nothing accepted doubles the interval to the next (up to `max_probe_interval`: a
     draft that never agrees then costs a probe every few hundred rounds), one that had
     anything accepted resets it, and one whose drafts were all accepted while the
@@ -520,7 +523,7 @@ class BatchDraftLengthPolicy:
         if (best == 0 and self.last_round_all_accepted and unlikely) or self._rounds_to_probe <= 0:
             self._rounds_to_probe, self._probe_from_plain = self.interval, best == 0
             others = [k for k in range(max_k + 1) if k != best]
-            choice = 1 if best == 0 else min(others, key=lambda k: self._chosen_at.get(k, -1))
+            choice = max_k if best == 0 else min(others, key=lambda k: self._chosen_at.get(k, -1))
         self._chosen_at[choice] = self.num_rounds
         return choice
 

@@ -294,7 +294,7 @@ def test_batch_policy_weighs_the_whole_batch():
 
 
 def test_batch_policy_probes_less_often_while_probes_fail():
-    """From K = 0 a probe (K = 1) comes after 16 rounds; each probe with nothing
+    """From K = 0 a probe (the largest room) comes after 16 rounds; each probe with nothing
     accepted doubles the wait (to at most 256), one with an acceptance resets it, and
     one with every draft accepted is followed by another at once."""
     policy = BatchDraftLengthPolicy()
@@ -313,6 +313,20 @@ def test_batch_policy_probes_less_often_while_probes_fail():
     rounds_to_next_probe(1)  # something accepted: back to every 16 rounds
     assert rounds_to_next_probe(0) == 16
     assert rounds_to_next_probe(4) == 32 and rounds_to_next_probe(0) == 1  # all accepted: at once
+
+
+def test_a_probe_from_plain_steps_drafts_the_largest_room():
+    """A plain batch probes with every draft its rows have room for: rows whose drafts
+    agree again show it by several acceptances each, not one."""
+    policy = BatchDraftLengthPolicy()
+    rows = [(0.0, 3), (0.0, 2)]
+    choices = []
+    for _ in range(16):
+        k = policy.choose(2, rows)
+        policy.update(k, 0, False)
+        policy.learn_cost(2, k, 1.0 + k)
+        choices.append(k)
+    assert choices == [0] * 15 + [3]
 
 
 def test_batch_policy_probes_the_least_recent_draft_length():
