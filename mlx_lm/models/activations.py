@@ -1,4 +1,5 @@
 """Activation functions by their transformers names (`hidden_act`, `activation_function`),
+the gated forms upstream names (`swiglu`, `precise_swiglu`, gpt-oss's `swiglu_oai`),
 and xIELU (Apertus), whose parameters are learned.
 
 Each is a pure elementwise function of arrays. The GELU variants follow transformers'
@@ -14,6 +15,35 @@ from typing import Callable, Dict
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x, elementwise (upstream's argument order: the gate first)."""
+    return nn.silu(gate) * x
+
+
+def precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
+    """swiglu computed in float32 and cast to h's dtype (half-precision silu loses the
+    small products a long sum of them adds up)."""
+    return swiglu(gate.astype(mx.float32), x.astype(mx.float32)).astype(h.dtype)
+
+
+def swiglu_oai(gate: mx.array, x: mx.array, alpha: float = 1.702, limit: float = 7.0) -> mx.array:
+    """gpt-oss's gated activation: min(gate, limit) * sigmoid(alpha * min(gate, limit))
+    * (clip(x, -limit, limit) + 1); the gate is clipped from above only."""
+    gate = mx.minimum(gate, limit)
+    return gate * mx.sigmoid(alpha * gate) * (mx.clip(x, -limit, limit) + 1)
+
+
+class SwigluOAI(nn.Module):
+    """swiglu_oai with fixed alpha and limit, called as upstream's: (x, gate)."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        return swiglu_oai(gate, x, self.alpha, self.limit)
 
 
 def relu_squared(x: mx.array) -> mx.array:
@@ -70,3 +100,6 @@ class XIELU(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return xielu(x, self.alpha_p, self.alpha_n, self.beta, self.eps).astype(x.dtype)
+
+
+XieLU = XIELU  # upstream's spelling of the same class

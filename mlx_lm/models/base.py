@@ -132,6 +132,16 @@ def create_ssm_mask(h: mx.array, cache=None) -> Optional[mx.array]:
     return cache.make_mask(h.shape[1])
 
 
+def gather_last_axis(x: mx.array, group: mx.distributed.Group) -> mx.array:
+    """Upstream's: x (..., d), this rank's slice of an array split along its last axis
+    over the ranks of `group` (the same shape on each) -> the whole (..., n * d), rank
+    r's slice at columns r * d .. (r + 1) * d (a tensor-parallel layer's outputs)."""
+    if x.ndim == 0:
+        raise ValueError("gather_last_axis needs an array with a last axis, got a scalar")
+    slices = mx.distributed.all_gather(x[None], group=group)  # (n, ..., d): rank-major
+    return mx.moveaxis(slices, 0, -2).reshape(*x.shape[:-1], -1)
+
+
 def scaled_dot_product_attention(
     queries: mx.array,
     keys: mx.array,

@@ -429,16 +429,44 @@ def gated_delta_update(
     """
     g = compute_g(A_log, a, dt_bias) if lower_bound is None else compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
     beta = compute_beta(b, allow_neg_eigval)  # (B, T, Hv)
-    if mask is not None:  # a padding step: g = 1 and beta = 0 keep the state as it is
-        g, beta = mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
     if use_kernel:
-        y, new_state = gated_delta_recurrence(q, k, v, g, beta, state)
+        y, new_state = gated_delta_recurrence(q, k, v, *_masked_gates(g, beta, mask), state)
+        y = _masked_outputs(y, mask)
     else:
-        g, beta, fp32_state = _fp32_inputs(q, k, v, g, beta, state)
-        y, new_state = gated_delta_sequential(q, k, v, g, beta, fp32_state)
-    if mask is not None:
-        y = mx.where(mask[..., None, None], y, 0.0)
+        y, new_state = gated_delta_ops(q, k, v, g, beta, state, mask)
     return y.astype(v.dtype), new_state if state is None else new_state.astype(state.dtype)
+
+
+def _masked_gates(g: mx.array, beta: mx.array, mask: Optional[mx.array]) -> Tuple[mx.array, mx.array]:
+    """g, beta (B, T, Hv) with a padding step's (mask (B, T) False) g = 1 and beta = 0,
+    which keep the state as it is."""
+    if mask is None:
+        return g, beta
+    return mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
+
+
+def _masked_outputs(y: mx.array, mask: Optional[mx.array]) -> mx.array:
+    """y (B, T, Hv, Dv) with a padding step's outputs 0."""
+    return y if mask is None else mx.where(mask[..., None, None], y, 0.0)
+
+
+def gated_delta_ops(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                    state: Optional[mx.array] = None, mask: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+    """Upstream's ops-only reference: the recurrence one token at a time, from gates
+    already formed (gated_delta_sequential; there is no kernel here to check against).
+
+    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk),
+    zeros in fp32 if None; mask (B, T) bool, False marking padding steps, which leave
+    the state unchanged (their outputs are 0; upstream's are those of the step it then
+    drops, as meaningless). Returns y (B, T, Hv, Dv) in q's dtype and the fp32 state.
+    Upstream also takes a gate per key channel, g (B, T, Hv, Dk): that is KDA's
+    recurrence, models/kda.py's kda_sequential (which builds on this module)."""
+    if g.ndim == 4:
+        raise ValueError(f"a gate per key channel, g {g.shape}, is KDA's recurrence: call "
+                         "mlx_lm.models.kda.kda_sequential (or kda_recurrence)")
+    g, beta, fp32_state = _fp32_inputs(q, k, v, *_masked_gates(g, beta, mask), state)
+    y, new_state = gated_delta_sequential(q, k, v, g, beta, fp32_state)
+    return _masked_outputs(y, mask).astype(q.dtype), new_state
 
 
 def gated_delta_replay(

@@ -15,6 +15,10 @@ instead of H (dn + dr + dv) for expanded keys and values (576 against 40960 at
 DeepSeek-V3 sizes). Attention runs in the latent space (kv_b_proj absorbed, see
 `latent_attention`), so kv_b_proj is read as a matrix and stays float when quantizing.
 
+`MultiLinear` and `QuantizedMultiLinear` are upstream's per-head matrices (H, out, in),
+the layout its DeepSeek files split kv_b_proj into (`embed_q`, `unembed_out`); the
+families here read kv_b_proj whole, but the classes work standalone.
+
 Reference: transformers `models/deepseek_v3/modeling_deepseek_v3.py` (DeepseekV3Attention),
 `models/deepseek_v2/`, `models/kimi_linear/`.
 """
@@ -27,7 +31,8 @@ import mlx.nn as nn
 from . import sharding
 from .base import Mask
 from .cache import KVCache, QuantizedKVCache
-from .rope_utils import yarn_get_mscale
+from .rope_utils import apply_yarn_mscale
+from .switch_layers import quantized_group_size_and_bits
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm's default eps,
 # not the config's rms_norm_eps.
@@ -54,11 +59,7 @@ def softmax_scale(qk_head_dim: int, rope_scaling: Optional[Dict[str, Any]]) -> f
     mscale_all_dim)^2 when the rope is scaled and mscale_all_dim is set (DeepSeek's yarn
     checkpoints: the softmax sharpens as the rotated features' attention factor alone
     would not). `rope_scaling` is rope_utils.resolve_rope's dict (None: plain rope)."""
-    scale = qk_head_dim**-0.5
-    if rope_scaling and rope_scaling.get("mscale_all_dim"):
-        mscale = yarn_get_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"])
-        scale = scale * mscale * mscale
-    return scale
+    return apply_yarn_mscale(qk_head_dim**-0.5, rope_scaling)
 
 
 class LatentAttention(nn.Module):
@@ -125,3 +126,48 @@ class LatentAttention(nn.Module):
         sharding.shard_projections(self, (q_name,), sharding.ALL_TO_SHARDED, group)
         self.kv_b_proj.weight = sharding.take_shard(self.kv_b_proj.weight, group)
         sharding.shard_projections(self, ("o_proj",), sharding.SHARDED_TO_ALL, group)
+
+
+class MultiLinear(nn.Module):
+    """One (out, in) matrix per head, `weight` (H, out, in), no bias: x (..., H, L, in)
+    -> x W^T (..., H, L, out); with transpose=False, x (..., H, L, out) -> x W
+    (..., H, L, in) (the same matrix read the other way, as MLA absorbs it)."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_heads: int):
+        super().__init__()
+        scale = input_dims**-0.5
+        self.weight = mx.random.uniform(-scale, scale, (num_heads, output_dims, input_dims))
+
+    def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
+        return x @ (self.weight.swapaxes(-1, -2) if transpose else self.weight)
+
+    def to_quantized(self, group_size: Optional[int] = None, bits: Optional[int] = None,
+                     mode: str = "affine") -> "QuantizedMultiLinear":
+        num_heads, output_dims, input_dims = self.weight.shape
+        quantized = QuantizedMultiLinear(input_dims, output_dims, num_heads, group_size, bits, mode)
+        quantized.set_weights(self.weight)
+        return quantized
+
+
+class QuantizedMultiLinear(nn.Module):
+    """MultiLinear with each head's matrix quantized along `in` (mx.quantize's layout:
+    `weight` packed, `scales`, and `biases` for the affine mode); frozen."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_heads: int, group_size: Optional[int] = None,
+                 bits: Optional[int] = None, mode: str = "affine"):
+        super().__init__()
+        self.mode = mode
+        self.group_size, self.bits = group_size, bits
+        self.set_weights(mx.zeros((num_heads, output_dims, input_dims)))
+        self.freeze()
+
+    def set_weights(self, weight: mx.array) -> None:
+        """Quantize float (H, out, in) `weight` into this layer."""
+        self.weight, self.scales, *biases = mx.quantize(weight, self.group_size, self.bits, mode=self.mode)
+        self.group_size, self.bits = quantized_group_size_and_bits(self.weight, self.scales, weight.shape[-1])
+        if biases and biases[0] is not None:
+            self.biases = biases[0]
+
+    def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
+        return mx.quantized_matmul(x, self.weight, self.scales, self.get("biases"), transpose=transpose,
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)

@@ -132,6 +132,20 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def apply_yarn_mscale(scale: float, scaling_config: Optional[Dict[str, Any]]) -> float:
+    """Upstream's: an attention scale times yarn_get_mscale(factor, mscale_all_dim)^2,
+    the part of yarn's mscale that sharpens the softmax (YarnRoPE puts the ratio
+    get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) on the rotated features).
+    Unchanged for plain rope, without mscale_all_dim, or with factor <= 1.
+    `scaling_config`: resolve_rope's dict or upstream's ("type" or "rope_type")."""
+    config = scaling_config or {}
+    rope_type = config.get("rope_type") or config.get("type") or "default"
+    if rope_type == "default" or not config.get("mscale_all_dim"):
+        return scale
+    mscale = yarn_get_mscale(config.get("factor", 1), config["mscale_all_dim"])
+    return scale * mscale * mscale
+
+
 def longrope_inv_freq(dims: int, base: float, factors: Union[float, Sequence[float]]) -> np.ndarray:
     """LongRoPE: theta_i / factors_i, one rescale factor per frequency (or one for all)."""
     factors = np.broadcast_to(np.asarray(factors, dtype=np.float64), (dims // 2,))
@@ -274,6 +288,10 @@ class Llama3RoPE(ScaledRoPE):
             original,
         )
         super().__init__(dims, inv_freq, traditional)
+        self.max_position_embeddings = max_position_embeddings
+
+    def extra_repr(self) -> str:
+        return f"{self.dims}, traditional={self.traditional}, max_position_embeddings={self.max_position_embeddings}"
 
 
 class YarnRoPE(ScaledRoPE):
@@ -378,6 +396,20 @@ class DynamicNTKRoPE(nn.Module):
 
     def _beyond(self, x: mx.array, offset: int) -> mx.array:
         return rope_with_angles(x, self.dims, self.angles(offset, x.shape[-2]), self.traditional)
+
+    def extra_repr(self) -> str:
+        return (f"{self.dims}, traditional={self.traditional}, "
+                f"max_position_embeddings={self.max_position_embeddings}, factor={self.factor}")
+
+
+class DynamicNTKScalingRoPE(DynamicNTKRoPE):
+    """Upstream's name and argument order for DynamicNTKRoPE. Upstream turns every
+    position of a call with the base of the position the call reaches; here each
+    position takes its own (see the module docstring). The two agree on calls that
+    stay within max_position_embeddings and on single-token decoding."""
+
+    def __init__(self, dims: int, max_position_embeddings: int, traditional: bool, base: float, factor: float):
+        super().__init__(dims, base, traditional, factor, max_position_embeddings)
 
 
 def initialize_rope(

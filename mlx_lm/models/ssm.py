@@ -115,6 +115,24 @@ def _to_chunks(x: mx.array, num_chunks: int, chunk_size: int) -> mx.array:
     return x.reshape(x.shape[0], num_chunks, chunk_size, *x.shape[2:])
 
 
+def segsum(x: mx.array, mask: Optional[mx.array] = None) -> mx.array:
+    """Upstream's segment sums: x (..., T) -> (..., T, T), [..., i, j] = x[j+1] + ... +
+    x[i] for i > j and 0 on and above the diagonal (exp of it is the decay from step j
+    to step i; the caller masks the upper triangle). Summed term by term, not as
+    differences of a running sum, which lose precision to cancellation. With a mask
+    (B, T) for x (B, H, T), masked steps add nothing and a pair with a masked end is -inf."""
+    T = x.shape[-1]
+    if mask is not None:
+        mask = mx.expand_dims(mask.astype(mx.bool_), 1)  # (B, 1, T)
+        x = x * mask
+    later = mx.arange(T)[:, None] > mx.arange(T)[None]  # (T, T): k > j
+    terms = mx.where(later, x[..., :, None], 0)  # (..., T, T): [k, j] = x[k] for k > j
+    sums = mx.cumsum(terms, axis=-2)  # [i, j] = the terms k <= i
+    if mask is not None:
+        sums = mx.where(mask[..., :, None] & mask[..., None, :], sums, -mx.inf)
+    return sums
+
+
 def _chunk_block(x, dt, A, B, C, state, chunk_size):
     """ssd_chunked on at most CHUNKS_PER_BLOCK chunks.
 

@@ -16,6 +16,8 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .activations import swiglu
+
 # Below this many (token, expert) pairs, sorting costs more than it saves.
 SORT_THRESHOLD = 64
 
@@ -41,10 +43,6 @@ def gather_mm(x: mx.array, w: mx.array, indices: mx.array, sorted_indices: bool)
     return y.astype(x.dtype)
 
 
-def swiglu(up: mx.array, gate: mx.array) -> mx.array:
-    return nn.silu(gate) * up
-
-
 def sort_by_expert(x: mx.array, indices: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
     """x (..., 1, 1, D) and indices (..., k) -> rows (N*k, 1, D) ordered by expert,
     their expert ids (N*k,), and the order that restores the original layout."""
@@ -60,7 +58,19 @@ def unsort(y: mx.array, restore: mx.array, indices_shape) -> mx.array:
     return y[restore].reshape(*indices_shape, 1, y.shape[-1])
 
 
-class SwitchLinear(nn.Module):
+class _ExpertStack(nn.Module):
+    """What a stack of expert matrices `weight` (E, out, ...) tells of its shape."""
+
+    @property
+    def output_dims(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+
+class SwitchLinear(_ExpertStack):
     """E stacked linear layers; `indices` picks one per (token, slot)."""
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False):
@@ -71,8 +81,8 @@ class SwitchLinear(nn.Module):
             self.bias = mx.zeros((num_experts, output_dims))
 
     @property
-    def num_experts(self) -> int:
-        return self.weight.shape[0]
+    def input_dims(self) -> int:
+        return self.weight.shape[2]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         y = gather_mm(x, self.weight.swapaxes(-1, -2), indices, sorted_indices)
@@ -102,7 +112,14 @@ def quantize_experts(weight: mx.array, group_size: int, bits: int, mode: str) ->
     return mx.stack([q for q, _ in quantized]), mx.stack([s for _, s in quantized]), global_scale
 
 
-class QuantizedSwitchLinear(nn.Module):
+def quantized_group_size_and_bits(packed: mx.array, scales: mx.array, input_dims: int) -> Tuple[int, int]:
+    """The group size and bits mx.quantize used for `input_dims` columns, read off its
+    outputs (given None, it picks the mode's defaults): one scale per group, 32 // bits
+    values per packed uint32."""
+    return input_dims // scales.shape[-1], 32 * packed.shape[-1] // input_dims
+
+
+class QuantizedSwitchLinear(_ExpertStack):
     """SwitchLinear quantized; with `global_scale` (nvfp4 only) each expert also holds a
     float32 tensor scale, applied to its outputs (mx.gather_qmm takes one on the GPU
     only, and an output scale is the same product everywhere)."""
@@ -116,6 +133,7 @@ class QuantizedSwitchLinear(nn.Module):
         self.group_size, self.bits, self.mode = group_size, bits, mode
         weight = mx.zeros((num_experts, output_dims, input_dims))
         self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
+        self.group_size, self.bits = quantized_group_size_and_bits(self.weight, self.scales, input_dims)
         if biases and biases[0] is not None:
             self.biases = biases[0]
         if global_scale:
@@ -138,6 +156,10 @@ class QuantizedSwitchLinear(nn.Module):
             q.bias = layer.bias
         return q
 
+    @property
+    def input_dims(self) -> int:
+        return self.scales.shape[-1] * self.group_size
+
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         y = mx.gather_qmm(
             x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
@@ -151,31 +173,69 @@ class QuantizedSwitchLinear(nn.Module):
         return y
 
 
+ExpertsFn = Callable[[mx.array, mx.array, bool], mx.array]  # (rows, expert ids, sorted) -> outputs
+
+
+def through_experts(x: mx.array, indices: mx.array, experts: ExpertsFn) -> mx.array:
+    """x (..., D), indices (..., k) expert ids -> (..., k, D_out): `experts` applied to
+    each (token, expert) pair, sorted by expert first when there are many."""
+    x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D)
+    do_sort = indices.size >= SORT_THRESHOLD
+    idx = indices
+    if do_sort:
+        x, idx, restore = sort_by_expert(x, indices)
+    y = experts(x, idx, do_sort)
+    if do_sort:
+        y = unsort(y, restore, indices.shape)
+    return y.squeeze(-2)
+
+
+class SwiGLU(nn.Module):
+    """SwitchGLU's default activation, called (up, gate): silu(gate) * up."""
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        return swiglu(gate, x)
+
+
 class SwitchGLU(nn.Module):
     """Gated expert MLP: down(activation(up(x), gate(x))) per chosen expert.
 
     `activation(up, gate)` defaults to SwiGLU; gpt-oss passes its clamped variant."""
 
     def __init__(self, input_dims: int, hidden_dims: int, num_experts: int,
-                 activation: Callable[[mx.array, mx.array], mx.array] = swiglu, bias: bool = False):
+                 activation: Optional[Callable[[mx.array, mx.array], mx.array]] = None, bias: bool = False):
         super().__init__()
         self.gate_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
         self.up_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
         self.down_proj = SwitchLinear(hidden_dims, input_dims, num_experts, bias=bias)
-        self.activation = activation
+        self.activation = SwiGLU() if activation is None else activation
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (..., D), indices (..., k) expert ids -> (..., k, D) per-expert outputs."""
-        x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D)
-        do_sort = indices.size >= SORT_THRESHOLD
-        idx = indices
-        if do_sort:
-            x, idx, restore = sort_by_expert(x, indices)
-        h = self.activation(self.up_proj(x, idx, do_sort), self.gate_proj(x, idx, do_sort))
-        y = self.down_proj(h, idx, do_sort)
-        if do_sort:
-            y = unsort(y, restore, indices.shape)
-        return y.squeeze(-2)
+        return through_experts(x, indices, self._experts)
+
+    def _experts(self, x: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
+        h = self.activation(self.up_proj(x, idx, sorted_indices), self.gate_proj(x, idx, sorted_indices))
+        return self.down_proj(h, idx, sorted_indices)
+
+
+class SwitchMLP(nn.Module):
+    """Ungated expert MLP (upstream's): fc2(activation(fc1(x))) per chosen expert,
+    precise GELU by default."""
+
+    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int,
+                 activation: Optional[Callable[[mx.array], mx.array]] = None, bias: bool = False):
+        super().__init__()
+        self.fc1 = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.fc2 = SwitchLinear(hidden_dims, input_dims, num_experts, bias=bias)
+        self.activation = nn.GELU(approx="precise") if activation is None else activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x (..., D), indices (..., k) expert ids -> (..., k, D) per-expert outputs."""
+        return through_experts(x, indices, self._experts)
+
+    def _experts(self, x: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
+        return self.fc2(self.activation(self.fc1(x, idx, sorted_indices)), idx, sorted_indices)
 
 
 # --- checkpoint layouts of expert stacks ---------------------------------------------
