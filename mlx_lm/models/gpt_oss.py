@@ -45,6 +45,7 @@ from .base import (
     scaled_dot_product_attention,
 )
 from . import sharding
+from .activations import swiglu_oai
 from .cache import KVCache, RotatingKVCache
 from .rope_utils import initialize_rope, resolve_rope
 from .switch_layers import SwitchGLU, SwitchLinear
@@ -117,10 +118,9 @@ class ModelArgs(BaseModelArgs):
 
 def clamped_swiglu(up: mx.array, gate: mx.array, alpha: float = 1.702, limit: float = 7.0) -> mx.array:
     """gpt-oss expert activation on (..., I) projections -> (..., I):
-    min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clip(up, -limit, limit) + 1)."""
-    gate = mx.minimum(gate, limit)
-    up = mx.clip(up, -limit, limit)
-    return gate * mx.sigmoid(alpha * gate) * (up + 1)
+    min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clip(up, -limit, limit) + 1)
+    (activations.swiglu_oai, called as SwitchGLU calls its activation: up first)."""
+    return swiglu_oai(gate, up, alpha, limit)
 
 
 def route(router_logits: mx.array, k: int) -> Tuple[mx.array, mx.array]:
