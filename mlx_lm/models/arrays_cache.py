@@ -95,22 +95,16 @@ class ArraysCache(_BaseCache):
         sequence, as upstream, unless `extend` joined more)."""
         return self._rows_without_state if self.cache[0] is None else self.cache[0].shape[0]
 
-    def _with_rows(self, arrays: List[Optional[mx.array]], num_rows: int) -> "ArraysCache":
-        """A cache of this kind holding `arrays` (num_rows rows), speculating as this one
-        does but without its records (they replay the rows they were taken of)."""
-        made = type(self)(len(arrays))
-        made.cache = arrays
-        made._rollbacks = None if self._rollbacks is None else RollbackLog(self._rollbacks.window)
-        made._rows_without_state = num_rows
-        return made
-
     def filter(self, batch_indices: Sequence[int]) -> "ArraysCache":
-        """Rows `batch_indices` (in that order) as a new cache of this kind; this one is
-        left whole, as every batch here is (models/batch_cache.py; upstream filters in
-        place and returns None)."""
+        """Only rows `batch_indices` stay, in that order, in place (as upstream's);
+        returns self. Its records replayed the rows they were taken of: dropped."""
         rows = checked_rows(batch_indices, self.batch_size)
         at = mx.array(rows, dtype=mx.int32)
-        return self._with_rows([None if a is None else mx.take(a, at, axis=0) for a in self.cache], len(rows))
+        self.cache = [None if a is None else mx.take(a, at, axis=0) for a in self.cache]
+        self._rows_without_state = len(rows)
+        if self._rollbacks is not None:
+            self._rollbacks = RollbackLog(self._rollbacks.window)
+        return self
 
     def extend(self, other: "ArraysCache") -> "ArraysCache":
         """Other's rows (a batch's or one sequence's) after these, in place (upstream's);

@@ -126,8 +126,9 @@ class CacheList(_BaseCache):
     # Upstream's batch forms, child by child (each child a batch of its kind).
 
     def filter(self, batch_indices: Sequence[int]) -> "CacheList":
-        """Rows `batch_indices` of every child, as a new list (see ArraysCache.filter)."""
-        return type(self)(*(c.filter(batch_indices) for c in self.caches))
+        """Only rows `batch_indices` of every child stay, in place (as upstream's); returns self."""
+        self.caches = tuple(c.filter(batch_indices) for c in self.caches)
+        return self
 
     def extend(self, other: "CacheList") -> "CacheList":
         """Other's rows after these, child by child, in place; returns self."""
