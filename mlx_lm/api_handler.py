@@ -16,9 +16,10 @@ What differs from upstream, on purpose: a hook that raises ValueError (or an ass
 gets a 400 in OpenAI's error shape; handle_chat_completions returns the messages
 checked (content parts joined, tool-call arguments decoded) rather than as sent; and
 handle_models_request lists the served model only (upstream scans the Hugging Face cache);
-/health's 503 is an error body naming why (upstream's: {"status": "unavailable"}). Not
-hooks here: upstream's generate_response and completion_usage_response (the bodies are
-openai_api.ResponseBuilder's, with this project's usage extensions).
+/health's 503 is an error body naming why (upstream's: {"status": "unavailable"}).
+Upstream's generate_response and completion_usage_response build upstream's bodies
+from the request's attributes (server_upstream.py), but are not hooks here: answers
+are openai_api.ResponseBuilder's, with this project's usage extensions.
 """
 
 import dataclasses
@@ -36,7 +37,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import unquote
 
-from . import server_embedding
+from . import server_embedding, server_upstream
 from .chat_messages import convert_chat
 from .connection_slots import Evicted
 from .embedded_requests import CompletionRequest
@@ -395,6 +396,29 @@ class APIHandler(BaseHTTPRequestHandler):
         """Upstream's check of the request attributes (self.max_tokens, self.temperature,
         ...), for a subclass to extend (ValueError -> 400) or to change them. This
         project's checks of every field (openai_api.parse_request) have run already."""
+
+    def _upstream_header(self) -> Dict[str, Any]:
+        return {"id": self.request_id, "system_fingerprint": self.system_fingerprint, "object": self.object_type,
+                "model": self.requested_model, "created": self.created}
+
+    def generate_response(self, text: str, finish_reason: Optional[str], prompt_token_count: Optional[int] = None,
+                          completion_token_count: Optional[int] = None, prompt_cache_count: Optional[int] = None,
+                          token_logprobs: Optional[List[float]] = None, top_tokens: Optional[List[Tuple]] = None,
+                          tokens: Optional[List[int]] = None, tool_calls: Optional[List[Any]] = None,
+                          reasoning_text: Optional[str] = None) -> dict:
+        """Upstream's answer packet (a chunk when the request streams) for this request,
+        after handle_*_completions set its id and object type."""
+        return server_upstream.response_packet(
+            self._upstream_header(), self.stream, text, finish_reason, prompt_token_count=prompt_token_count,
+            completion_token_count=completion_token_count, prompt_cache_count=prompt_cache_count,
+            token_logprobs=token_logprobs, top_tokens=top_tokens, tokens=tokens, tool_calls=tool_calls,
+            reasoning_text=reasoning_text)
+
+    def completion_usage_response(self, prompt_token_count: int, completion_token_count: int,
+                                  prompt_cache_count: Optional[int] = None) -> dict:
+        """Upstream's usage-only packet (a stream's include_usage chunk)."""
+        return server_upstream.usage_packet(self._upstream_header(), prompt_token_count, completion_token_count,
+                                            prompt_cache_count)
 
     def handle_chat_completions(self) -> CompletionRequest:
         """The chat request of the body (its messages already checked: content as text,

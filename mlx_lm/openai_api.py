@@ -16,8 +16,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ._version import __version__
+from .chat_messages import IMAGE_PART_TYPES
 from .chat_output import ChatDelta, ChatPlan, ChatTextRouter, plain_router
 from .generate import SpeculationStats
+from .server_upstream import NO_VISION
 
 DEFAULT_MODEL_NAME = "default_model"  # what OpenAI-style clients send for "the model"
 MAX_BODY_BYTES = 64 << 20
@@ -180,6 +182,8 @@ def _message_content(index: int, content: Any) -> Optional[str]:
     if isinstance(content, list):
         texts = []
         for part in content:
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise RequestError(400, f"'messages[{index}].content[]': an image part: {NO_VISION}")
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise _bad(f"messages[{index}].content[]", 'a text part {"type": "text", "text": ...}', part)
             texts.append(part["text"])

@@ -81,6 +81,7 @@ from .server_embedding import LRUPromptCache, ModelProvider, ResponseGenerator, 
 from .server_embedding import (  # noqa: F401  (upstream's request API of ResponseGenerator.generate)
     CompletionRequest, GenerationArguments, GenerationContext, LogitsProcessorArguments, ModelDescription, Response,
 )
+from .server_upstream import TimeBudget, Vision  # noqa: F401  (upstream's names; unused by this server)
 from .serving import (
     PROMPT_CACHE_MEMORY_FRACTION,
     BatchWorker,
@@ -91,6 +92,9 @@ from .serving import (
 from .utils import compute_dtype, parameter_dtypes
 
 log = logging.getLogger("mlx_lm.server")
+
+PIPELINE_REFUSED = ("--pipeline: pipeline-parallel loading is not supported here; under mlx.launch, run without "
+                    "it and the model is sharded tensor-parallel")
 
 
 # ---------------------------------------------------------------------------
@@ -212,10 +216,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Refuse longer prompts (default: the model's context, max_position_embeddings)")
     parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP_SIZE,
                         help="Prompt tokens per prefill forward")
-    parser.add_argument("--max-batch-size", type=positive_int, default=8,
+    parser.add_argument("--max-batch-size", "--decode-concurrency", type=positive_int, default=8,
                         help="Requests decoded together (continuous batching; with --prompt-lookup or a "
                              "--draft-model or --mtp they speculate inside the batch; 1: one at a time). "
-                             "mlx.launch serves one at a time")
+                             "mlx.launch serves one at a time. --decode-concurrency: upstream's name")
+    parser.add_argument("--prompt-concurrency", type=positive_int, default=8,
+                        help="Prompts prefilled together in the batch (upstream's flag)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="Upstream's pipeline-parallel loading: refused (under mlx.launch the model is "
+                             "sharded tensor-parallel)")
     parser.add_argument("--allowed-origins", default="",
                         help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
                              "server, or '*' for any; requests from other pages (they carry an Origin header) "
@@ -290,6 +299,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     defaults = _check_defaults(parser, args)
     check_one_drafter(parser, args)
+    if args.pipeline:
+        parser.error(PIPELINE_REFUSED)
     origins = _parse_origins(parser, args.allowed_origins)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group = distributed.world()
@@ -320,7 +331,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         try:
             server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size,
                                         args.num_draft_tokens, args.prompt_lookup, args.max_ngram_size,
-                                        args.fixed_draft_length)
+                                        args.fixed_draft_length, args.prompt_concurrency)
         except ValueError as e:  # e.g. --prompt-lookup on a model whose caches cannot roll back
             server.server_close()
             sys.exit(f"Error: {e}")

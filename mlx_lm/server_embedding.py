@@ -28,8 +28,7 @@ What differs from upstream, on purpose:
   sets this project's `allow_other_models`; upstream loads (even downloads) any model
   a request names.
 - Options this worker cannot honour are refused with ValueError (`adapter_path`,
-  `trust_remote_code`, `use_default_chat_template`, `kv_bits`); `prompt_concurrency`
-  has no equivalent in this worker's batch and is not read.
+  `trust_remote_code`, `use_default_chat_template`, `kv_bits`, `pipeline`).
 - An unbounded prompt cache (`LRUPromptCache()`'s 2**63 bytes) is bounded by
   `prompt_cache_bytes`, or else by this project's default share of the free memory.
 - The stock HTTP server decides how many connections run at once: `max_connections`
@@ -74,15 +73,14 @@ log = logging.getLogger("mlx_lm.server")
 
 # What upstream's `mlx_lm.server` parser gives an option the namespace lacks (code that
 # builds its own Namespace often sets only a few), and this project's own options. Not
-# read: host, port, log_level (the embedding code's own), prompt_concurrency (no
-# equivalent), kv_group_size and quantized_kv_start (only with kv_bits), pipeline
-# (only under mlx.launch, which an embedded server refuses).
+# read: host, port, log_level (the embedding code's own), kv_group_size and
+# quantized_kv_start (only with kv_bits).
 UPSTREAM_DEFAULTS: Dict[str, Any] = {
     "model": None, "adapter_path": None, "draft_model": None, "num_draft_tokens": 3,
     "trust_remote_code": False, "chat_template": "", "use_default_chat_template": False,
     "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 512, "chat_template_args": {},
-    "allowed_origins": "*", "decode_concurrency": 32, "prefill_step_size": 2048,
-    "prompt_cache_size": 10, "prompt_cache_bytes": None, "kv_bits": None,
+    "allowed_origins": "*", "decode_concurrency": 32, "prompt_concurrency": 8, "prefill_step_size": 2048,
+    "prompt_cache_size": 10, "prompt_cache_bytes": None, "kv_bits": None, "pipeline": False,
 }
 PROJECT_DEFAULTS: Dict[str, Any] = {
     "allow_other_models": False, "max_prompt_tokens": None, "request_timeout": 30.0, "dtype": None,
@@ -94,6 +92,7 @@ REFUSED_OPTIONS: Dict[str, str] = {
     "trust_remote_code": "this server loads no code from model repositories",
     "use_default_chat_template": "transformers no longer ships default chat templates: pass chat_template",
     "kv_bits": "this server keeps KV caches unquantized",
+    "pipeline": "pipeline-parallel loading is not supported (an embedded server runs on one process)",
 }
 
 
@@ -129,6 +128,7 @@ class EmbeddingSettings:
     defaults: ServerDefaults
     allowed_origins: List[str]
     max_batch_size: int
+    prefill_batch_size: int
     prefill_step_size: int
     num_draft_tokens: int
     prompt_cache_size: int
@@ -167,6 +167,7 @@ class EmbeddingSettings:
                    chat_template=_option(cli_args, "chat_template") or None, defaults=defaults,
                    allowed_origins=_origins(_option(cli_args, "allowed_origins")),
                    max_batch_size=_positive_int(cli_args, "decode_concurrency"),
+                   prefill_batch_size=_positive_int(cli_args, "prompt_concurrency"),
                    prefill_step_size=_positive_int(cli_args, "prefill_step_size"),
                    num_draft_tokens=_positive_int(cli_args, "num_draft_tokens"),
                    prompt_cache_size=_option(cli_args, "prompt_cache_size"),
@@ -254,7 +255,8 @@ def _make_worker(models: ServingModelProvider, settings: EmbeddingSettings) -> G
         return GenerationWorker(models, settings.prefill_step_size, settings.num_draft_tokens,
                                 project["fixed_draft_length"], project["prompt_lookup"], project["max_ngram_size"])
     return BatchWorker(models, settings.prefill_step_size, settings.max_batch_size, settings.num_draft_tokens,
-                       project["prompt_lookup"], project["max_ngram_size"], project["fixed_draft_length"])
+                       project["prompt_lookup"], project["max_ngram_size"], project["fixed_draft_length"],
+                       settings.prefill_batch_size)
 
 
 @runtime_checkable

@@ -15,9 +15,9 @@ parameter names are unknown (upstream drops them)."""
 
 import ast
 import re
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
-from .schema import make_call, one_or_many
+from .schema import ToolCall, make_call, one_or_many  # ToolCall: upstream's name here too
 
 tool_call_start = "<|tool_call_start|>"
 tool_call_end = "<|tool_call_end|>"
@@ -43,13 +43,13 @@ def _dotted_name(node: ast.expr) -> str:
     raise ValueError("a tool call's function must be a (dotted) name")
 
 
-def _call(node: ast.expr):
+def _call(node: ast.expr) -> ToolCall:
     if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
         raise ValueError("each tool call must be name(key=value, ...)")
     return make_call(_dotted_name(node.func), {k.arg: _literal(k.value) for k in node.keywords})
 
 
-def parse_tool_call(text: str, tools: Optional[Any] = None):
+def parse_tool_call(text: str, tools: Optional[Any] = None) -> Union[ToolCall, List[ToolCall]]:
     start, end = text.find("["), text.rfind("]")
     if start < 0 or end < start:
         raise ValueError("no [call(...)] list")
@@ -102,7 +102,7 @@ def _loose_value(raw: str) -> Any:
     return raw
 
 
-def _loose_calls(body: str) -> List[dict]:
+def _loose_calls(body: str) -> List[ToolCall]:
     """The calls of a loosely written list body (module docstring)."""
     calls = []
     for part in split_top_level(body):

@@ -1,0 +1,176 @@
+"""Upstream mlx-lm 0.32.2's server names that this server's own path does not use
+(server_upstream.py: Vision, TimeBudget, APIHandler.generate_response and
+completion_usage_response), pythonic.ToolCall, and upstream's server flags
+(--decode-concurrency, --prompt-concurrency, --pipeline)."""
+
+import argparse
+
+import mlx.core as mx
+import pytest
+
+from mlx_lm import server_upstream
+from mlx_lm.openai_api import RequestError, ServerDefaults, parse_request
+from mlx_lm.server import APIHandler, TimeBudget, Vision, main, setup_arg_parser
+from mlx_lm.server_embedding import EmbeddingSettings
+from mlx_lm.serving import BatchWorker, ModelProvider
+from mlx_lm.tool_parsers.pythonic import ToolCall, parse_tool_call
+
+
+def test_vision_refuses_images_as_a_request_with_an_image_does():
+    with pytest.raises(ValueError, match="loads no vision models"):
+        Vision(pixel_values=[mx.zeros((2, 2, 3))], starts=[0], cache_key=[-5])
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]}
+    with pytest.raises(RequestError) as refused:
+        parse_request(body, "chat", ServerDefaults())
+    assert refused.value.status == 400
+    assert refused.value.message.startswith("'messages[0].content[]': an image part: this project loads no vision")
+
+
+class Clock:
+    """A fake perf_counter that the loop body advances."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_time_budget_alone_stops_when_the_budget_is_spent(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(server_upstream.time, "perf_counter", clock)
+    steps = 0
+    for _ in TimeBudget(budget=0.5):
+        steps += 1
+        clock.now += 0.125  # exact in binary: 0.5 itself is still inside the budget
+    assert steps == 5
+    for _ in TimeBudget(budget=0.5):  # a new slice starts its own clock
+        clock.now += 1.0
+        steps += 1
+    assert steps == 6
+
+
+class TwoRanks:
+    def size(self):
+        return 2
+
+
+def test_time_budget_under_mlx_launch_counts_steps_and_refits_them(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(server_upstream.time, "perf_counter", clock)
+    monkeypatch.setattr(server_upstream.distributed, "world", TwoRanks)
+    summed = []
+
+    def all_sum(x, group):
+        summed.append(x.item())
+        return x * 2  # the other rank took as long
+
+    monkeypatch.setattr(server_upstream.mx.distributed, "all_sum", all_sum)
+    budget = TimeBudget(budget=0.5, iterations=4, sync_frequency=2)
+    counts = []
+    for _ in range(3):
+        counts.append(0)
+        for _ in budget:
+            counts[-1] += 1
+            clock.now += 0.25
+    # Two slices of 4 steps took 1 s each, twice the budget: the next slice is 2 steps.
+    assert counts == [4, 4, 2] and summed == [2.0] and budget.iterations == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"budget": 0}, "budget must be > 0 seconds, got 0"),
+    ({"iterations": 0}, "iterations must be a positive integer, got 0"),
+    ({"sync_frequency": 1.5}, "sync_frequency must be a positive integer, got 1.5"),
+])
+def test_time_budget_refuses_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TimeBudget(**kwargs)
+
+
+def handler(object_type, stream):
+    """An APIHandler after handle_*_completions set a request's attributes."""
+    h = APIHandler.__new__(APIHandler)
+    h.request_id, h.system_fingerprint, h.created = "chatcmpl-1", "fp", 1700000000
+    h.object_type, h.requested_model, h.stream = object_type, "default_model", stream
+    return h
+
+
+HEADER = {"id": "chatcmpl-1", "system_fingerprint": "fp", "model": "default_model", "created": 1700000000}
+
+
+def test_generate_response_builds_a_complete_chat_message():
+    call = {"function": {"name": "f", "arguments": "{}"}, "type": "function", "id": "c1"}
+    packet = handler("chat.completion", False).generate_response(
+        "hi", "stop", prompt_token_count=7, completion_token_count=2, prompt_cache_count=3,
+        token_logprobs=[-0.5, -0.25], tokens=[11, 12], tool_calls=[call], reasoning_text="thought")
+    assert packet == {**HEADER, "object": "chat.completion", "choices": [{
+        "index": 0, "finish_reason": "stop",
+        "logprobs": {"content": [{"id": 11, "logprob": -0.5}, {"id": 12, "logprob": -0.25}]},
+        "message": {"role": "assistant", "content": "hi", "reasoning": "thought", "tool_calls": [call]}}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                  "prompt_tokens_details": {"cached_tokens": 3}}}
+
+
+def test_generate_response_streams_deltas_without_usage():
+    h = handler("chat.completion.chunk", True)
+    top = ({"id": 5, "token": "a", "logprob": -0.1}, {"id": 6, "token": "b", "logprob": -2.0})
+    chunk = h.generate_response("a", None, top_tokens=[top])
+    assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert chunk["choices"][0]["logprobs"] == {"content": [{**top[0], "top_logprobs": top}]}
+    # An empty delta has no content field; an empty complete message has content None.
+    assert h.generate_response("", "length")["choices"][0]["delta"] == {"role": "assistant"}
+    complete = handler("chat.completion", False).generate_response("", "length", 1, 0, prompt_cache_count=-1)
+    assert complete["choices"][0]["message"] == {"role": "assistant", "content": None}
+    assert "prompt_tokens_details" not in complete["usage"]  # -1: unknown
+
+
+def test_generate_response_of_a_text_completion_and_its_errors():
+    packet = handler("text_completion", False).generate_response("abc", "stop", 3, 1)
+    assert packet["choices"] == [{"index": 0, "finish_reason": "stop", "text": "abc"}]
+    with pytest.raises(ValueError, match="needs prompt_token_count and completion_token_count, got None, None"):
+        handler("text_completion", False).generate_response("abc", "stop")
+    with pytest.raises(ValueError, match="token_logprobs \\(2\\) need as many tokens, got None"):
+        handler("text_completion", True).generate_response("abc", None, token_logprobs=[-1.0, -2.0])
+    with pytest.raises(ValueError, match="unsupported response object 'embedding'"):
+        handler("embedding", True).generate_response("abc", None)
+
+
+def test_completion_usage_response():
+    packet = handler("chat.completion.chunk", True).completion_usage_response(5, 4, 2)
+    assert packet == {**HEADER, "object": "chat.completion", "choices": [],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                                "prompt_tokens_details": {"cached_tokens": 2}}}
+
+
+def test_pythonic_tool_call_type():
+    call = parse_tool_call('[get_weather(city="Paris")]')
+    assert ToolCall.__origin__ is dict and isinstance(call, dict)
+    assert call["name"] == "get_weather" and call["arguments"] == {"city": "Paris"}
+
+
+def test_upstream_concurrency_flags():
+    args = setup_arg_parser().parse_args(["--model", "m", "--decode-concurrency", "3", "--prompt-concurrency", "2"])
+    assert (args.max_batch_size, args.prompt_concurrency, args.pipeline) == (3, 2, False)
+    assert setup_arg_parser().parse_args(["--model", "m"]).prompt_concurrency == 8
+
+
+def test_pipeline_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", "m", "--pipeline"])
+    assert exited.value.code == 2
+    assert "--pipeline: pipeline-parallel loading is not supported here" in capsys.readouterr().err
+
+
+def test_prompt_concurrency_sizes_the_batch_prefill(tiny_model_dir):
+    provider = ModelProvider(str(tiny_model_dir), None, False, 10, 1 << 40, None)
+    assert BatchWorker(provider, max_batch_size=4, prefill_batch_size=2).generator.prefill_batch_size == 2
+    assert BatchWorker(provider).generator.prefill_batch_size == 8
+
+
+def test_embedding_reads_prompt_concurrency_and_refuses_pipeline():
+    namespace = argparse.Namespace(model="m", prompt_concurrency=3)
+    assert EmbeddingSettings.from_cli_args(namespace).prefill_batch_size == 3
+    with pytest.raises(ValueError, match="pipeline=True is not supported: pipeline-parallel loading"):
+        EmbeddingSettings.from_cli_args(argparse.Namespace(model="m", pipeline=True))
