@@ -60,10 +60,11 @@ class BatchWorker(GenerationWorker):
     def __init__(self, provider: ModelProvider, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
                  max_batch_size: int = 8,
                  default_num_draft_tokens: int = 3, prompt_lookup: bool = False, max_ngram_size: int = 3,
-                 fixed_draft_length: bool = False):
+                 fixed_draft_length: bool = False, prefill_batch_size: int = 8):
         super().__init__(provider, prefill_step_size, default_num_draft_tokens, fixed_draft_length, prompt_lookup,
                          max_ngram_size)
         self.max_batch_size = max_batch_size
+        self.prefill_batch_size = prefill_batch_size  # prompts prefilling at once (upstream's --prompt-concurrency)
         self.backlog: "deque[Optional[Job]]" = deque()
         self.streams: Dict[int, _Stream] = {}
         self.generator = self._make_generator()  # a model that cannot speculate fails here, at startup
@@ -80,7 +81,8 @@ class BatchWorker(GenerationWorker):
         served = self.provider.default
         return BatchGenerator(
             served.model, stop_tokens=served.tokenizer.eos_token_ids, completion_batch_size=self.max_batch_size,
-            prefill_step_size=self.prefill_step_size, return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
+            prefill_batch_size=self.prefill_batch_size, prefill_step_size=self.prefill_step_size,
+            return_prompt_caches=True, prompt_lookup=self.prompt_lookup,
             num_draft_tokens=self.default_num_draft_tokens, max_ngram_size=self.max_ngram_size,
             draft_model=served.draft_model, mtp=served.mtp, fixed_draft_length=self.fixed_draft_length,
         )
