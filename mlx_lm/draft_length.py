@@ -449,22 +449,19 @@ class BatchDraftLengthPolicy:
     `new_row`: a joining row starts at what the batch's rows showed lately, with the
     weight of `row_prior_weight` comparisons (about three rounds of a good draft; at
     most the comparisons the batch's rows made, so a cold pool commits no row), and
-    remembers about `row_memory` rounds. Misses come in runs (a hard stretch of text):
-    with a short memory (8 rounds, prior weight 2) two of them took a row of the demo
-    pair, which accepts 92% overall, to an estimate of 0.5-0.7, below what drafting
-    needs at batch 4, and the batch then stayed plain until a probe, 0.94x batched
-    plain where K = 3 throughout gave 1.14x; steadier rows gave 1.12x)
+    remembers about `row_memory` rounds: misses come in runs, and with 8 rounds and a
+    weight of 2 two of them took a row of the demo pair (92% accepted overall) below
+    what drafting needs at batch 4)
     and the round costs learned per batch size B (a RoundCosts each, from
     the generator's timings; a B not measured yet borrows the nearest measured B's,
     since only their ratios across K matter). K = 0 is a plain step. After every
     `probe_interval` rounds another K is tried instead: the one chosen least recently
     (a plain step too: a batch that drafts well still learns what plain steps cost,
-    not only the prior's guess), the largest room from 0: rows back in agreeing text
-    then show it by up to K acceptances each, where a K = 1 probe (at the demo pair's
-    batch-4 costs, a round that never pays) gave one, and a batch whose rows had dipped
-    below break-even stayed plain for hundreds of rounds. So costs stay measured and
-    rows whose drafts start agreeing again are noticed. While the best is 0, a probe that had
-    nothing accepted doubles the interval to the next (up to `max_probe_interval`: a
+    not only the prior's guess), the largest room from 0 (rows back in agreeing text
+    then show it by up to K acceptances each; a K = 1 probe, at batch 4 a round that
+    never pays, showed one, and the batch stayed plain). So costs stay measured and
+    rows whose drafts start agreeing again are noticed. While the best is 0, a probe
+    that had nothing accepted doubles the interval to the next (up to `max_probe_interval`: a
     draft that never agrees then costs a probe every few hundred rounds), one that had
     anything accepted resets it, and one whose drafts were all accepted while the
     rows' mean acceptance was under 1/2 is followed by another at once. The choice is
@@ -473,8 +470,7 @@ class BatchDraftLengthPolicy:
 
     The generator calls `update` once a round (its K and outcome) and
     `learn_round_time` with the round's seconds when it was timed (at the next round's
-    top). Given
-    `learned` (DRAFT_LENGTHS: what earlier generators of the same target and drafter
+    top). Given `learned` (DRAFT_LENGTHS: what earlier generators of the same target and drafter
     learned), its costs and pooled acceptance are shared with them, so a new
     generator's first rounds choose from measured costs and its first rows start at
     the acceptance rows showed before.

@@ -222,11 +222,18 @@ def test_replay_equals_reference_final_state(T):
 def test_recorded_short_forward_rewinds_to_the_state_feeding_gives():
     """A verify-length forward keeps each step's state: rewinding to m is bit for bit
     feeding only those m tokens, for one m or a different m per row."""
-    q, k, v, g, beta, state = make_inputs(B=3, T=5)
-    y, final, state_after = gated_delta_recorded(q, k, v, g, beta, state)
-    plain_y, plain_final = gated_delta_recurrence(q, k, v, g, beta, state)
+    assert_rewinds_as_feeding(gated_delta_recorded, gated_delta_recurrence, make_inputs(B=3, T=5))
+
+
+def assert_rewinds_as_feeding(recorded, recurrence, inputs):
+    """A 5-token `recorded` forward over 3 rows equals `recurrence`, and its
+    state_after(m) is bit for bit the state feeding only m tokens gives, for one m or
+    a different m per row."""
+    q, k, v, g, beta, state = inputs
+    y, final, state_after = recorded(q, k, v, g, beta, state)
+    plain_y, plain_final = recurrence(q, k, v, g, beta, state)
     assert mx.array_equal(y, plain_y) and mx.array_equal(final, plain_final)
-    fed = [state] + [gated_delta_recurrence(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)[1]
+    fed = [state] + [recurrence(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)[1]
                      for m in range(1, 6)]
     for m in range(6):
         assert mx.array_equal(state_after(m), fed[m])
@@ -382,17 +389,7 @@ def test_kda_recorded_short_forward_rewinds_to_the_state_feeding_gives():
     """As for the scalar gate: a verify-length KDA forward keeps each step's state,
     and rewinding to m (one m, or one per row) is bit for bit feeding those m tokens;
     a prefill-length one replays."""
-    q, k, v, g, beta, state = make_kda_inputs(B=3, T=5, seed=350)
-    y, final, state_after = kda_recorded(q, k, v, g, beta, state)
-    plain_y, plain_final = kda_recurrence(q, k, v, g, beta, state)
-    assert mx.array_equal(y, plain_y) and mx.array_equal(final, plain_final)
-    fed = [state] + [kda_recurrence(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], state)[1]
-                     for m in range(1, 6)]
-    for m in range(6):
-        assert mx.array_equal(state_after(m), fed[m])
-    per_row = state_after([4, 0, 2])
-    for b, m in enumerate([4, 0, 2]):
-        assert mx.array_equal(per_row[b], fed[m][b])
+    assert_rewinds_as_feeding(kda_recorded, kda_recurrence, make_kda_inputs(B=3, T=5, seed=350))
     T = CHUNKED_MIN_TOKENS + 3
     q, k, v, g, beta, state = make_kda_inputs(B=2, T=T, seed=351)
     _, final, state_after = kda_recorded(q, k, v, g, beta, state)
