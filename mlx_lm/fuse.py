@@ -1,6 +1,7 @@
 """`mlx_lm.fuse`: fold fine-tuned adapters into the base weights and save the model.
 
     mlx_lm.fuse --model <base> --adapter-path adapters --save-path fused_model [--dequantize]
+                [--upload-repo namespace/name] [--trust-remote-code]
 
 The saved model computes what the base with its adapters computes: every adapted layer
 becomes one float linear layer holding W + scale * (lora_a @ lora_b)^T (DoRA: rescaled
@@ -19,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .cli_args import HelpFormatter
+from .hub import check_repo_id, upload_to_hub
 from .tuner.lora import LoRALinear, LoRASwitchLinear
 from .utils import dequantize_model, get_model_path, load_adapters, load_model, load_tokenizer, save
 
@@ -50,15 +52,22 @@ def fuse(
     save_path: Union[str, Path] = "fused_model",
     dequantize: bool = False,
     revision: Optional[str] = None,
+    *,
+    upload_repo: Optional[str] = None,
+    trust_remote_code: bool = False,
 ) -> None:
     """Load `model` (a local directory or hub repo) with the adapters of
     `adapter_path`, fuse them and save the result to `save_path` (which must not
-    exist). The checkpoint's dtypes are kept."""
+    exist). The checkpoint's dtypes are kept. `upload_repo`: then upload the saved
+    folder to that hub repo (`hub.upload_to_hub`; a failed upload is a RuntimeError and
+    the folder stays). `trust_remote_code`: let the tokenizer run the repo's own code."""
     if Path(save_path).exists():
         raise ValueError(f"Cannot save to {save_path}: it already exists; choose another --save-path or remove it")
-    model_path = get_model_path(model, revision=revision)
-    base, config = load_model(model_path, lazy=True)
-    tokenizer = load_tokenizer(model_path)
+    if upload_repo is not None:  # a bad id fails before the fuse, not after
+        check_repo_id(upload_repo)
+    model_path = get_model_path(model, revision=revision, with_code=trust_remote_code)
+    base, config = load_model(model_path, lazy=True, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(model_path, {"trust_remote_code": True} if trust_remote_code else None)
     load_adapters(base, adapter_path)
     fused = fuse_adapters(base)
     if dequantize:
@@ -67,6 +76,8 @@ def fuse(
     else:
         config = _record_float_layers(config, fused)
     save(save_path, model_path, base, tokenizer, config)
+    if upload_repo is not None:
+        upload_to_hub(save_path, upload_repo)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -78,6 +89,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-path", default="fused_model", help="Output directory (must not exist)")
     # Upstream spelled it --de-quantize before renaming it --dequantize; both work.
     parser.add_argument("--dequantize", "--de-quantize", action="store_true", help="Save the whole model in float")
+    parser.add_argument("--upload-repo", default=None, help="Then upload the fused model to this Hugging Face repo")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Let the tokenizer run its repo's own code (transformers' option)")
     return parser
 
 
@@ -89,10 +103,13 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_arguments(argv)
     try:
-        fuse(args.model, args.adapter_path, args.save_path, dequantize=args.dequantize)
-    except (ValueError, FileNotFoundError) as e:
+        fuse(args.model, args.adapter_path, args.save_path, dequantize=args.dequantize,
+             upload_repo=args.upload_repo, trust_remote_code=args.trust_remote_code)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         sys.exit(f"Error: {e}")
     print(f"[INFO] Saved the fused model to {args.save_path}", file=sys.stderr)
+    if args.upload_repo is not None:
+        print(f"[INFO] Uploaded it to https://huggingface.co/{args.upload_repo}", file=sys.stderr)
 
 
 if __name__ == "__main__":

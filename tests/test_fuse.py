@@ -87,3 +87,44 @@ def test_fusing_expert_adapters(tmp_path):
     fused, _ = load(str(tmp_path / "fused"))
     assert relative_error(fused(TOKENS), adapted(TOKENS)) < 1e-5
     assert relative_error(model(TOKENS), adapted(TOKENS)) > 1e-3
+
+
+def test_upload_repo_uploads_the_fused_folder_and_fails_clearly_offline(llama_dir, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, exist_ok: calls.append(("create", repo_id)))
+    monkeypatch.setattr(HfApi, "upload_folder",
+                        lambda self, folder_path, repo_id, repo_type: calls.append(("upload", folder_path, repo_id)))
+    adapters, _ = write_adapters(tmp_path / "adapters", base_weights(llama_dir))
+    flags = ["fuse", "--model", str(llama_dir), "--adapter-path", str(adapters)]
+    cli.main(flags + ["--save-path", str(tmp_path / "up"), "--upload-repo", "me/fused"])
+    assert calls == [("create", "me/fused"), ("upload", str(tmp_path / "up"), "me/fused")]
+    assert 'load("me/fused")' in (tmp_path / "up" / "README.md").read_text()
+
+    with pytest.raises(SystemExit, match="Hub repo id 'no-namespace' must be of the form"):
+        cli.main(flags + ["--save-path", str(tmp_path / "bad"), "--upload-repo", "no-namespace"])
+    assert not (tmp_path / "bad").exists()
+
+    def offline(self, repo_id, exist_ok):
+        raise OfflineModeIsEnabled("offline mode is enabled")
+
+    monkeypatch.setattr(HfApi, "create_repo", offline)
+    with pytest.raises(SystemExit, match="Could not upload .* 'me/fused': OfflineModeIsEnabled"):
+        cli.main(flags + ["--save-path", str(tmp_path / "off"), "--upload-repo", "me/fused"])
+    assert (tmp_path / "off" / "config.json").exists()
+
+
+def test_trust_remote_code_reaches_the_tokenizer(llama_dir, tmp_path, monkeypatch):
+    from mlx_lm import tokenizer_utils
+
+    asked = []
+    real_load = tokenizer_utils.load
+    monkeypatch.setattr(tokenizer_utils, "load",
+                        lambda path, extra=None, **kw: asked.append(extra) or real_load(path, extra, **kw))
+    adapters, _ = write_adapters(tmp_path / "adapters", base_weights(llama_dir))
+    flags = ["fuse", "--model", str(llama_dir), "--adapter-path", str(adapters)]
+    cli.main(flags + ["--save-path", str(tmp_path / "plain")])
+    cli.main(flags + ["--save-path", str(tmp_path / "trusted"), "--trust-remote-code"])
+    assert asked == [None, {"trust_remote_code": True}]
