@@ -207,6 +207,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Local model directory or Hugging Face repo id")
+    parser.add_argument("--adapter-path", default=None,
+                        help="LoRA/DoRA adapters for --model; generate then needs the same --adapter-path")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Let the tokenizer run its repo's own code (transformers' option)")
+    parser.add_argument("--eos-token", default=None,
+                        help="The tokenizer's end-of-sequence token (what a chat template writes as eos_token)")
     parser.add_argument("--prompt", required=True, help="Prompt text to cache, or '-' for stdin")
     parser.add_argument("--prompt-cache-file", required=True, help="Output file (.safetensors)")
     parser.add_argument("--system-prompt", default=None, help="System prompt for the chat template")
@@ -227,12 +233,23 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tokenizer_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The tokenizer options the command line asks for (upstream's tokenizer_config,
+    also saved in the file's metadata)."""
+    options: Dict[str, Any] = {"trust_remote_code": True} if args.trust_remote_code else {}
+    if args.eos_token is not None:
+        options["eos_token"] = args.eos_token
+    return options
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = setup_arg_parser().parse_args(argv)
     try:
         from .utils import load
 
-        model, tokenizer, config = load(args.model, return_config=True)
+        tokenizer_config = tokenizer_options(args)
+        model, tokenizer, config = load(args.model, tokenizer_config=tokenizer_config, adapter_path=args.adapter_path,
+                                        return_config=True, trust_remote_code=args.trust_remote_code)
         prompt = prompt_text(args.prompt)
         tokens = format_cached_prompt(
             tokenizer, prompt, args.system_prompt, not args.ignore_chat_template, args.chat_template_config or {}
@@ -247,7 +264,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         fill_cache(model, tokens, prompt_cache, quantize_kv)
         metadata = {
             "model": args.model,
-            "tokenizer_config": json.dumps({}),
+            "tokenizer_config": json.dumps(tokenizer_config),
             "model_type": str(config.get("model_type")),
             "model_fingerprint": model_fingerprint(model),
             "prompt": prompt,
