@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache_prompt import fill_cache
-from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int, str2bool
+from .cli_args import DEFAULT_MODEL, HelpFormatter, RefusedOption, add_dtype_argument, positive_int, str2bool
 from .drafters import PromptLookup
 from .feeding import DEFAULT_PREFILL_STEP_SIZE, ids_within
 from .generate import GenerationResponse, check_same_tokenizer, stream_generate
@@ -55,6 +55,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 3
 QUIT_COMMANDS = ("q", "exit")
 RESET_COMMAND = "r"
 HELP_COMMAND = "h"
+PIPELINE_REFUSED = ("pipeline-parallel loading is not supported here, and mlx_lm.chat runs on one process; "
+                    "under mlx.launch, mlx_lm.generate and mlx_lm.server shard the model tensor-parallel")
 # Stands for an answer's content, to find the text the chat template puts before it.
 ANSWER_MARK = "<mlx_lm answer>"
 
@@ -332,6 +334,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="System prompt for the chat template: the text, or a file holding it")
     parser.add_argument("--verbose", type=str2bool, nargs="?", const=True, default=False,
                         help="After each answer print the prompt tokens fed and reused, speeds and memory")
+    parser.add_argument("--pipeline", nargs=0, action=RefusedOption, why=PIPELINE_REFUSED,
+                        help="Upstream's pipeline-parallel loading under mlx.launch: refused (chat runs on one process)")
     add_speculation_arguments(parser)
     add_dtype_argument(parser)
     return parser

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Optional
 
 DEFAULT_MODEL = "mlx-community/Llama-3.2-3B-Instruct-4bit"
 DEFAULT_QUANTIZED_KV_START = 5000
@@ -98,3 +99,57 @@ def check_one_drafter(parser: argparse.ArgumentParser, args: argparse.Namespace)
                                          ("--draft-model", args.draft_model is not None)] if given]
     if len(drafters) > 1:
         parser.error(f"{' and '.join(drafters)} are {len(drafters)} drafters; give one")
+
+
+# transformers' own default chat template (ChatML) until 4.43 dropped it; upstream's
+# --use-default-chat-template still reads it (tokenizer.default_chat_template), which
+# today's transformers lacks, so the template is kept here.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+NO_VISION_MODELS = "this project loads no vision models, so a prompt takes no images; give text only"
+
+
+class RefusedOption(argparse.Action):
+    """An upstream flag this project cannot honour: giving it is a usage error saying
+    why (`why`), before any work."""
+
+    def __init__(self, option_strings, dest, why: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.why}")
+
+
+def add_default_chat_template_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--use-default-chat-template", action="store_true",
+                        help="A tokenizer without a chat template renders with ChatML (transformers' former "
+                        "default) instead of taking the text as is")
+
+
+def use_default_chat_template(tokenizer) -> None:
+    """--use-default-chat-template: a TokenizerWrapper without a chat template gets
+    DEFAULT_CHAT_TEMPLATE; one with its own keeps it."""
+    if not tokenizer.has_chat_template:
+        tokenizer.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+
+
+def add_upstream_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """mlx_lm.generate's --image (refused), --quantize-activations and
+    --use-default-chat-template, as upstream 0.32.2 has them."""
+    parser.add_argument("--image", nargs="+", action=RefusedOption, why=NO_VISION_MODELS,
+                        help="Upstream's image files for a vision model: refused (no vision models here)")
+    parser.add_argument("--quantize-activations", "-qa", action="store_true",
+                        help="Round each nvfp4 or mxfp8 layer's input to the layer's format too "
+                        "(the model's quantize_activations option)")
+    add_default_chat_template_argument(parser)
+
+
+def activation_model_config(args: argparse.Namespace) -> Optional[dict]:
+    """The model_config of `load` that --quantize-activations asks for (None: the
+    checkpoint's own config)."""
+    return {"quantize_activations": True} if args.quantize_activations else None

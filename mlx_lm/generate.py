@@ -15,13 +15,16 @@ from .cli_args import (
     DEFAULT_MODEL,
     DEFAULT_QUANTIZED_KV_START,
     HelpFormatter,
+    activation_model_config,
     add_drafter_arguments,
     add_dtype_argument,
+    add_upstream_generate_arguments,
     check_one_drafter,
     json_object,
     positive_int,
     prompt_text,
     str2bool,
+    use_default_chat_template,
 )
 from .batching import BatchGenerator, BatchResponse, BatchStats, batch_generate  # noqa: F401  (upstream's home)
 from .drafters import PromptLookup, check_mtp_head
@@ -450,6 +453,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fixed-draft-length", action="store_true",
                         help="Draft exactly --num-draft-tokens every round (also implied by --seed with "
                         "--temp > 0, so that a seeded sampled run replays exactly)")
+    add_upstream_generate_arguments(parser)
     add_dtype_argument(parser)
     return parser
 
@@ -524,15 +528,17 @@ def run(args: argparse.Namespace) -> str:
                              "fuse them first (mlx_lm.fuse) and give the fused model")
         tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else None
         model, tokenizer = sharded_load(args.model, tensor_group=group, dtype=args.dtype,
-                                        tokenizer_config=tokenizer_config)
+                                        tokenizer_config=tokenizer_config, model_config=activation_model_config(args))
     else:
         model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype,
-                                trust_remote_code=args.trust_remote_code)
+                                trust_remote_code=args.trust_remote_code, model_config=activation_model_config(args))
     verbose = args.verbose and group.rank() == 0
     draft_model = None
     if args.draft_model is not None:
         draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype,
                                             trust_remote_code=args.trust_remote_code)
+    if args.use_default_chat_template:
+        use_default_chat_template(tokenizer)
         check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(int(token) if token.isdigit() else token)

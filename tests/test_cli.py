@@ -100,3 +100,50 @@ def test_convert_progress_updates_a_terminal_line_and_logs_once_to_a_pipe(monkey
 
 def test_format_bytes_picks_a_readable_unit():
     assert [format_bytes(n) for n in (512, 3 * 2**20 // 2, 5 * 2**30)] == ["0.50 KB", "1.50 MB", "5.00 GB"]
+
+
+def test_upstream_flags_this_project_cannot_honour_are_usage_errors(capsys):
+    from mlx_lm import cli
+
+    for argv, message in ((["generate", "--prompt", "hi", "--image", "a.png", "b.png"],
+                           "mlx_lm.generate: error: --image: this project loads no vision models"),
+                          (["chat", "--pipeline"],
+                           "mlx_lm.chat: error: --pipeline: pipeline-parallel loading is not supported here, "
+                           "and mlx_lm.chat runs on one process")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_quantize_activations_reaches_the_model_config(tmp_path, tiny_llama_dir, capsys):
+    from mlx_lm.convert import convert
+
+    convert(str(tiny_llama_dir), tmp_path / "q4", quantize=True)
+    common = ["--model", str(tmp_path / "q4"), "--prompt", "hi", "--max-tokens", "2", "--verbose", "false"]
+    generate_main(common)
+    assert capsys.readouterr().out.strip()
+    # Affine layers cannot quantize their inputs: the option reached load_model.
+    with pytest.raises(SystemExit, match="quantize_activations: lm_head has mode 'affine'"):
+        generate_main([*common, "--quantize-activations"])
+
+
+def test_use_default_chat_template_renders_chatml_only_without_a_template(tmp_path, tiny_model_dir, capsys,
+                                                                          monkeypatch):
+    import json
+    import shutil
+
+    generate_module = importlib.import_module("mlx_lm.generate")  # `mlx_lm.generate` is also the function
+    prompts = []
+    monkeypatch.setattr(generate_module, "generate",
+                        lambda model, tokenizer, prompt, **kw: prompts.append(tokenizer.decode(prompt)) or "")
+    directories = []
+    for name, template in (("bare", None), ("own", "{% for m in messages %}[{{ m['content'] }}]{% endfor %}")):
+        directory = shutil.copytree(tiny_model_dir, tmp_path / name)
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config["chat_template"] = template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        directories.append(directory)
+    for model_dir in directories:
+        for flags in ([], ["--use-default-chat-template"]):
+            generate_main(["--model", str(model_dir), "--prompt", "hi", "--verbose", "false", *flags])
+    assert prompts == ["hi", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "[hi]", "[hi]"]
