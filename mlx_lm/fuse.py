@@ -8,7 +8,9 @@ becomes one float linear layer holding W + scale * (lora_a @ lora_b)^T (DoRA: re
 per row). Unlike upstream, an adapted layer of a quantized base stays float instead of
 being requantized at the base's precision, which rounds most of a small update away
 (upstream issue #1172); the config's quantization block records it as float. With
---dequantize the whole model is saved in float.
+--dequantize the whole model is saved in float. --export-gguf also writes the fused model,
+dequantized, as a llama.cpp GGUF file (`gguf.convert_to_gguf`; llama, mistral, mixtral)
+at --gguf-path inside the saved folder.
 """
 
 import argparse
@@ -17,9 +19,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .cli_args import HelpFormatter
+from .gguf import check_model_type, convert_to_gguf
 from .hub import check_repo_id, upload_to_hub
 from .tuner.lora import LoRALinear, LoRASwitchLinear
 from .utils import dequantize_model, get_model_path, load_adapters, load_model, load_tokenizer, save
@@ -55,18 +58,24 @@ def fuse(
     *,
     upload_repo: Optional[str] = None,
     trust_remote_code: bool = False,
+    export_gguf: bool = False,
+    gguf_path: Union[str, Path] = "ggml-model-f16.gguf",
 ) -> None:
     """Load `model` (a local directory or hub repo) with the adapters of
     `adapter_path`, fuse them and save the result to `save_path` (which must not
     exist). The checkpoint's dtypes are kept. `upload_repo`: then upload the saved
     folder to that hub repo (`hub.upload_to_hub`; a failed upload is a RuntimeError and
-    the folder stays). `trust_remote_code`: let the tokenizer run the repo's own code."""
+    the folder stays). `trust_remote_code`: let the tokenizer run the repo's own code.
+    `export_gguf`: also write the fused model, dequantized, to `save_path / gguf_path`
+    as GGUF (a model type it cannot take is refused before the fuse)."""
     if Path(save_path).exists():
         raise ValueError(f"Cannot save to {save_path}: it already exists; choose another --save-path or remove it")
     if upload_repo is not None:  # a bad id fails before the fuse, not after
         check_repo_id(upload_repo)
     model_path = get_model_path(model, revision=revision, with_code=trust_remote_code)
     base, config = load_model(model_path, lazy=True, trust_remote_code=trust_remote_code)
+    if export_gguf:  # a model type llama.cpp's llama cannot take fails before the fuse
+        check_model_type(config)
     tokenizer = load_tokenizer(model_path, {"trust_remote_code": True} if trust_remote_code else None)
     load_adapters(base, adapter_path)
     fused = fuse_adapters(base)
@@ -75,7 +84,11 @@ def fuse(
         config = {k: v for k, v in config.items() if k not in QUANTIZATION_KEYS}
     else:
         config = _record_float_layers(config, fused)
-    save(save_path, model_path, base, tokenizer, config)
+    save(save_path, model_path, base, tokenizer, config, donate_model=not export_gguf)
+    if export_gguf:  # the saved folder keeps its quantization; the GGUF file is float
+        float_config = {k: v for k, v in config.items() if k not in QUANTIZATION_KEYS}
+        weights = dict(tree_flatten(dequantize_model(base).parameters()))
+        convert_to_gguf(save_path, weights, float_config, str(Path(save_path) / gguf_path))
     if upload_repo is not None:
         upload_to_hub(save_path, upload_repo)
 
@@ -92,6 +105,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--upload-repo", default=None, help="Then upload the fused model to this Hugging Face repo")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="Let the tokenizer run its repo's own code (transformers' option)")
+    parser.add_argument("--export-gguf", action="store_true", help="Also write the fused model as a GGUF file (llama.cpp)")
+    parser.add_argument("--gguf-path", default="ggml-model-f16.gguf", help="The GGUF file's path inside --save-path")
     return parser
 
 
@@ -104,10 +119,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_arguments(argv)
     try:
         fuse(args.model, args.adapter_path, args.save_path, dequantize=args.dequantize,
-             upload_repo=args.upload_repo, trust_remote_code=args.trust_remote_code)
+             upload_repo=args.upload_repo, trust_remote_code=args.trust_remote_code,
+             export_gguf=args.export_gguf, gguf_path=args.gguf_path)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sys.exit(f"Error: {e}")
     print(f"[INFO] Saved the fused model to {args.save_path}", file=sys.stderr)
+    if args.export_gguf:
+        print(f"[INFO] Wrote GGUF to {Path(args.save_path) / args.gguf_path}", file=sys.stderr)
     if args.upload_repo is not None:
         print(f"[INFO] Uploaded it to https://huggingface.co/{args.upload_repo}", file=sys.stderr)
 
