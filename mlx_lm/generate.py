@@ -26,6 +26,7 @@ from .cli_args import (
     str2bool,
     use_default_chat_template,
 )
+from .batch_phases import GenerationBatch, PromptProcessingBatch  # noqa: F401  (upstream's home)
 from .batching import BatchGenerator, BatchResponse, BatchStats, batch_generate  # noqa: F401  (upstream's home)
 from .drafters import PromptLookup, check_mtp_head
 from .feeding import (
@@ -42,13 +43,12 @@ from .feeding import (
 from .fast_blas import blas_line
 from .generate_utils import BatchCounters, BatchCountersSnapshot  # noqa: F401  (upstream imports them here)
 from .models import cache
-from .models.cache import maybe_quantize_kv_cache  # noqa: F401  (upstream's name here)
 from .models.cache import (  # noqa: F401  (upstream's generate.py imports them: code reaches them here)
     QuantizedKVCache,
     TokenBuffer,
     can_trim_prompt_cache,
     load_prompt_cache,
-    make_prompt_cache,
+    make_prompt_cache, maybe_quantize_kv_cache,
     trim_prompt_cache,
 )
 from .sample_utils import LogitsProcessor, Sampler, greedy_sampler, make_sampler  # noqa: F401  (as above)
@@ -58,7 +58,6 @@ from .stop_sequences import StopSequences
 from .tokenizer_utils import TokenizerWrapper
 from .text_state_machine import TextStateMachine, make_text_state_machine  # noqa: F401  (upstream's home)
 from .utils import does_model_support_input_embeddings, load, maybe_set_recommended_wired_limit  # noqa: F401
-
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_TEMP = 0.0

@@ -351,15 +351,14 @@ def test_keys_and_values_are_what_update_and_fetch_returned():
 
 # Upstream 0.32.2's top-level public names (its source, read with ast) that code may
 # import from these modules, and the values of its constants. Left out, each for a
-# reason the README gives: generate's PromptProcessingBatch and GenerationBatch (its
-# BatchGenerator's internals; batching.py has its own), chat's sharded_load and ChatUI,
+# reason the README gives: chat's sharded_load and ChatUI,
 # and what benchmark and cache_prompt merely import (load, batch_generate, generate_step).
 UPSTREAM_NAMES = {
     "mlx_lm.generate": [
         "str2bool", "setup_arg_parser", "generation_stream", "wired_limit", "GenerationResponse",
         "maybe_quantize_kv_cache", "generate_step", "speculative_generate_step", "stream_generate", "generate",
         "StopSequences", "TextStateMachine", "make_stop_sequences", "make_text_state_machine", "BatchGenerator",
-        "BatchResponse", "batch_generate", "main",
+        "BatchResponse", "batch_generate", "main", "PromptProcessingBatch", "GenerationBatch",
         # what its source imports, reached through it by code written for it
         "BatchCounters", "BatchCountersSnapshot", "QuantizedKVCache", "TokenBuffer", "can_trim_prompt_cache",
         "load_prompt_cache", "make_prompt_cache", "trim_prompt_cache", "LogitsProcessor", "Sampler",
