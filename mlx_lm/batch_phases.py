@@ -88,7 +88,7 @@ def _prepare_padding(caches: List[Any], lengths: List[int], padding: List[int]) 
             entry.prepare(lengths=lengths, right_padding=padding)
         except ValueError as e:
             # (a prepared layer cannot be unprepared: its batch is then spent)
-            spent = f"; layers 0-{layer - 1} were prepared, so build the batch again" if layer else ""
+            spent = "; the layers before it were prepared, so build the batch again" if layer else ""
             raise ValueError(
                 f"layer {layer}'s {type(entry).__name__} cannot take prompts of different lengths "
                 f"{lengths} (right padding {padding}): {e}; prompt rows of one length together{spent}"

@@ -86,6 +86,11 @@ def test_hybrid_rows_of_different_lengths_are_refused_naming_the_layer(qwen3_nex
     with pytest.raises(ValueError, match="layer 0's BatchArraysCache cannot take prompts of different lengths"):
         batch.prompt([PROMPTS[0], PROMPTS[1]])
     assert batch.tokens == [[], []]  # nothing was recorded as fed
+    # Refused after an attention layer was prepared (caches in reverse layer order): spent.
+    reversed_layers = [make_prompt_cache(qwen3_next)[::-1] for _ in range(2)]
+    batch = PromptProcessingBatch(qwen3_next, [0, 1], reversed_layers)
+    with pytest.raises(ValueError, match="layer 1.s BatchArraysCache .* the layers before it were prepared"):
+        batch.prompt([PROMPTS[0], PROMPTS[1]])
 
 
 def test_finished_row_carries_its_cache_and_tokens(qwen3):
