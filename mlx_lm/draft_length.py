@@ -108,36 +108,25 @@ class RoundCosts:
     quickly (over about `memory_falling` rounds) and rises slowly (about
     `memory_rising` rounds, each rise clipped to a factor of 2). Interference only
     ever adds time, so it tracks what k costs undisturbed. Unmeasured ks are
-    interpolated (interpolated_costs).
-
-    The memories count rounds, not measurements: a k measured `gap` rounds ago has
-    its estimate moved by 1 - (1 - rate)^gap. A k the policy rarely picks is measured
-    only by probes, dozens of rounds apart; moved by `rate` per probe, its cost was
-    that of the machine as it ran long ago, and once the machine got faster (another
-    job ended) it looked dearer than the k measured every round for hundreds of
-    rounds (a batch of 4 stayed at K = 2 in 370 of 414 rounds where K = 3 gave 10%
-    more tokens per second)."""
+    interpolated (interpolated_costs)."""
 
     def __init__(self, max_draft_tokens: int, memory_falling: float = 2.0, memory_rising: float = 8.0,
                  prior_cost_per_draft: float = 0.3):
         self.rate_falling, self.rate_rising = 1.0 / memory_falling, 1.0 / memory_rising
         self.prior_cost_per_draft = prior_cost_per_draft
         self.log_seconds: List[Optional[float]] = [None] * (max_draft_tokens + 1)
-        self.num_rounds = 0
-        self.learned_at: List[int] = [0] * (max_draft_tokens + 1)  # the round each k was last measured
 
     def learn(self, k: int, seconds: float) -> None:
         log_seconds = math.log(seconds)
-        self.num_rounds += 1
         self.log_seconds += [None] * (k + 1 - len(self.log_seconds))
-        self.learned_at += [0] * (k + 1 - len(self.learned_at))
-        gap, self.learned_at[k] = self.num_rounds - self.learned_at[k], self.num_rounds
         if self.log_seconds[k] is None:
             self.log_seconds[k] = log_seconds
             return
         error = log_seconds - self.log_seconds[k]
-        rate = self.rate_falling if error < 0 else self.rate_rising
-        self.log_seconds[k] += (1.0 - (1.0 - rate) ** gap) * min(error, math.log(2))
+        if error < 0:
+            self.log_seconds[k] += self.rate_falling * error
+        else:
+            self.log_seconds[k] += self.rate_rising * min(error, math.log(2))
 
     @property
     def measured(self) -> bool:

@@ -22,7 +22,6 @@ from mlx_lm.draft_length import (  # noqa: E402
     LearnedDraftLength,
     acceptance_evidence,
     best_draft_length,
-    RoundCosts,
     expected_tokens,
     interpolated_costs,
 )
@@ -76,46 +75,6 @@ def test_interpolated_costs():
     assert between == pytest.approx([1.0, 2.0, 3.0, 4.0])
     beyond = interpolated_costs([None, 2.0, None], 0.5)  # along 1 + 0.5 k from k = 1
     assert beyond == pytest.approx([2.0 / 1.5, 2.0, 2.0 * 2.0 / 1.5])
-
-
-def test_round_costs_forget_by_rounds_not_by_measurements():
-    """A k measured every round moves by its rate; a k last measured many rounds ago
-    takes nearly all of its new measurement (falls and rises alike, a rise still
-    clipped to 2x), so a rarely probed k never keeps what the machine cost long ago."""
-    costs = RoundCosts(3, memory_falling=8.0, memory_rising=8.0)
-    costs.learn(2, 0.030)
-    costs.learn(3, 0.040)
-    for _ in range(100):  # the machine gets faster; only K = 3 is measured
-        costs.learn(3, 0.030)
-    costs.learn(2, 0.020)  # one probe, 101 rounds after the last
-    assert costs.costs(3)[2] == pytest.approx(0.020, rel=1e-3)
-    costs.learn(3, 0.020)  # measured two rounds before: moved by 1 - (7/8)^2 of the way
-    assert math.log(costs.costs(3)[3]) == pytest.approx(math.log(0.030) + math.log(2 / 3) * (1 - (7 / 8) ** 2))
-    for _ in range(100):
-        costs.learn(3, 0.020)
-    costs.learn(2, 1.0)  # a probe under interference: at most twice the old cost
-    assert costs.costs(3)[2] == pytest.approx(0.040, rel=1e-3)
-
-
-def test_a_batch_probe_moves_a_stale_cost_to_what_the_machine_costs_now():
-    """K = 3 first measured while the machine was slow, then only K = 2 chosen: once the
-    machine is faster, the first probe of K = 3 shows it at its cost now, and the batch
-    takes K = 3 (more tokens per second) from the next round on."""
-    policy = BatchDraftLengthPolicy()
-    rows = [(0.9, 3)] * 4
-    slow = {0: 0.012, 1: 0.017, 2: 0.021, 3: 0.030}
-    fast = {0: 0.010, 1: 0.014, 2: 0.017, 3: 0.020}
-    for k in range(4):
-        policy.learn_cost(4, k, slow[k])
-    choices = []
-    for _ in range(200):
-        k = policy.choose(4, rows)
-        choices.append(k)
-        policy.update(k, 2 * k, False)
-        policy.learn_cost(4, k, fast[k])
-    first_probe_of_3 = choices.index(3)
-    assert first_probe_of_3 < 60
-    assert choices[first_probe_of_3 + 1 :].count(3) > 0.8 * len(choices[first_probe_of_3 + 1 :])
 
 
 def test_best_draft_length_takes_the_smaller_k_on_a_tie():
