@@ -39,12 +39,17 @@ ACCEPTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
 # own model uses when config.json leaves it out; llama.cpp needs a context length.
 DEFAULT_CONTEXT_LENGTH = {"llama": 2048, "mistral": 4096 * 32, "mixtral": 4096 * 32}
 
-F16_FILE_TYPE = 1  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16
 QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION
 ALIGNMENT = 32
 # llama.cpp's converter gives a SentencePiece-style vocabulary read from tokenizer.json
 # this score for every token it has none for.
 UNSCORED = -1000.0
+
+
+class GGMLFileType(IntEnum):
+    """general.file_type: what most tensors are stored as (llama.cpp's LLAMA_FTYPE_MOSTLY_F16)."""
+
+    GGML_TYPE_F16 = 1
 
 
 class TokenType(IntEnum):
@@ -87,7 +92,7 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # --- tensors -------------------------------------------------------------------------
 
 
-def gguf_tensor_name(name: str) -> str:
+def translate_weight_names(name: str) -> str:
     """llama.cpp's name for the MLX parameter `name` (model.layers.3.self_attn.q_proj.weight
     -> blk.3.attn_q.weight); a ValueError for a parameter llama.cpp has no place for."""
     module, _, kind = name.rpartition(".")
@@ -136,7 +141,7 @@ def gguf_tensors(weights: Dict[str, mx.array], n_heads: int, n_kv_heads: int) ->
             value = permute_weights(value, n_heads)
         elif ".self_attn.k_proj." in name:
             value = permute_weights(value, n_heads, n_kv_heads)
-        tensors[gguf_tensor_name(name)] = value.astype(mx.float32 if value.ndim == 1 else mx.float16)
+        tensors[translate_weight_names(name)] = value.astype(mx.float32 if value.ndim == 1 else mx.float16)
     return tensors
 
 
@@ -200,7 +205,7 @@ def model_metadata(args, name: str) -> Dict[str, Any]:
     metadata = {
         "general.architecture": "llama",
         "general.name": name,
-        "general.file_type": uint32(F16_FILE_TYPE),
+        "general.file_type": uint32(GGMLFileType.GGML_TYPE_F16),
         "general.quantization_version": uint32(QUANTIZATION_VERSION),
         "general.alignment": uint32(ALIGNMENT),
         "llama.vocab_size": uint32(args.vocab_size),

@@ -14,7 +14,9 @@ from checkpoints import TINY_CONFIGS, write_checkpoint
 from mlx_lm import cli
 from mlx_lm.convert import convert
 from mlx_lm.fuse import setup_arg_parser
-from mlx_lm.gguf import TokenType, convert_to_gguf, permute_weights, pre_tokenizer_name, token_table
+from mlx_lm.gguf import (
+    GGMLFileType, TokenType, convert_to_gguf, permute_weights, pre_tokenizer_name, token_table, translate_weight_names,
+)
 from mlx_lm.utils import load, load_model
 from test_adapters import base_weights, write_adapters
 from tokenizer_fixture import write_spm_style_tokenizer
@@ -206,6 +208,16 @@ def test_refusals_name_the_problem(tiny_llama_dir, tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="needs tokenizer.json"):
         convert_to_gguf(tmp_path, weights, config, str(tmp_path / "t.gguf"))
     assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_upstreams_names():
+    assert translate_weight_names("model.layers.7.self_attn.q_proj.weight") == "blk.7.attn_q.weight"
+    assert translate_weight_names("model.layers.0.block_sparse_moe.gate.weight") == "blk.0.ffn_gate_inp.weight"
+    assert translate_weight_names("lm_head.weight") == "output.weight"
+    assert (GGMLFileType.GGML_TYPE_F16, TokenType.NORMAL, TokenType.BYTE) == (1, 1, 6)
+    rows = mx.arange(8).reshape(8, 1)  # 2 heads of 4: within each, 0 1 2 3 -> 0 2 1 3
+    assert permute_weights(rows, 2).reshape(-1).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert permute_weights(rows, 4, 2).tolist() == permute_weights(rows, 2).tolist()
 
 
 def test_tokenizer_refusals_and_padding():
