@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from .feeding import CachedModel, Processors, on_generation_stream, prefill, processed_logprobs
 from .models.cache import trim_prompt_cache
-from .models.checkpoints import PrefillChunks
+from .models.checkpoints import CheckpointedCache, PrefillChunks, held_by_rows
 from .sample_utils import CategoricalSampler
 
 
@@ -269,6 +269,13 @@ class HiddenStates:
         assert sum(p.shape[0] for p in pieces) == stop - start, (start, stop, [(b, r.shape) for b, r in self.records])
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
 
+    def row(self, position: int) -> Optional[mx.array]:
+        """(1, H): the row of `position`, or None if it is not kept."""
+        for begin, rows in self.records:
+            if begin <= position < begin + rows.shape[0]:
+                return rows[position - begin : position - begin + 1]
+        return None
+
     def forget_before(self, position: int) -> None:
         self.records = [(b, r) for b, r in self.records if b + r.shape[0] > position]
 
@@ -320,18 +327,30 @@ class MTPHead(Drafter):
     one forward with the pair that drafts. So the head needs the target's hidden
     states: `target` is the run's target (a HiddenCachedModel) and `prefill_with_target`
     feeds both. After finish(tokens) the head holds the pairs of `tokens`: one entry
-    fewer than the target, which the loop brings to `tokens`. A run that continues a
-    prompt cache lacks the target's hidden state at the cache's last token, so the
-    head's entries skip that one pair (later drafts may be a little worse; the output is
-    the target's either way)."""
+    fewer than the target, which the loop brings to `tokens`.
 
-    def __init__(self, model: nn.Module, target_cache: List[Any], head_cache: List[Any], num_columns: int):
+    A run that continues a prompt cache whose head is one pair behind its target needs
+    the target's hidden state at the cache's last token for that pair (pair -1 of the
+    run). A CheckpointedCache (`checkpoints`, the whole list) keeps it: this head tells
+    it the row at each prefill chunk end, so its snapshots hold it (a run resumed at
+    one feeds the pairs in the chunks a cold run feeds, bit for bit), and at finish.
+    Without it the head's entries skip that pair (later drafts may be a little worse;
+    the output is the target's either way)."""
+
+    def __init__(self, model: nn.Module, target_cache: List[Any], head_cache: List[Any], num_columns: int, *,
+                 checkpoints: Optional[CheckpointedCache] = None):
         check_mtp_head(model)
         self.model = model
         self.target = HiddenCachedModel(model, target_cache, num_columns, num_columns)
         self.cache = head_cache
+        self.checkpoints = checkpoints
+        self.start = held_by_rows(target_cache) or 0  # run position 0 is this absolute position
         self.num_pairs = 0  # the head holds pairs 0..num_pairs-1 of this run
         self.num_drafting = 0  # entries it was fed while drafting, beyond them
+        row = None if checkpoints is None or self.start == 0 else checkpoints.hidden_at(self.start)
+        if row is not None and held_by_rows(head_cache) == self.start - 1:
+            self.num_pairs = -1  # pair -1: (the run's first token, the target's state before it)
+            self.target.hidden.add(-1, row)
 
     def prefill_with_target(
         self, prompt: mx.array, prefill_step_size: int, progress: Callable[[int, int], None],
@@ -350,6 +369,7 @@ class MTPHead(Drafter):
             quantize_kv(self.target.cache)
             quantize_kv(self.cache)
             mx.eval([c.state for c in self.target.cache + self.cache])
+            self._keep_hidden(end)
             progress(end, total)
             mx.clear_cache()
         self.target.num_held, self.target.num_fed = total - 1, 0
@@ -393,6 +413,13 @@ class MTPHead(Drafter):
     def finish(self, tokens: List[int]) -> None:
         self._hold(tokens)
         self._feed_pairs(tokens, len(tokens) - 1)
+        self._keep_hidden(len(tokens))
+
+    def _keep_hidden(self, num_held: int) -> None:
+        """Tell `checkpoints` the target's hidden state at its last position while it
+        holds `num_held` tokens of the run (module docstring of models/checkpoints.py)."""
+        if self.checkpoints is not None:
+            self.checkpoints.keep_hidden(self.start + num_held, self.target.hidden.row(num_held - 1))
 
     def _hold(self, tokens: List[int]) -> None:
         """Give back the drafting entries, and the pairs beyond those of `tokens`."""

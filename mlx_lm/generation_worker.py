@@ -153,14 +153,11 @@ class GenerationWorker:
 
     def _fetch_cache(self, served: ServedModel, job: Job) -> Tuple[List[Any], FetchResult]:
         """The request's cache: from the prompt cache, or fresh, keeping snapshots of its
-        recurrent states so that later prompts resume inside it (issue 33); a cache
-        with an MTP head's entries keeps none (its pairs would not resume)."""
+        recurrent states so that later prompts resume inside it (issue 33)."""
         fetched = served.prompt_cache.fetch(job.tokens, message_boundaries=job.message_boundaries)
         if fetched.prompt_cache is not None:
             return fetched.prompt_cache, fetched
         fresh = served.make_cache()
-        if served.mtp:
-            return fresh, fetched
         return served.prompt_cache.checkpointed(fresh, self.prefill_step_size,
                                                 message_boundaries=job.message_boundaries), fetched
 

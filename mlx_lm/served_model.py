@@ -16,7 +16,7 @@ from .drafters import DraftModel, MTPHead, check_mtp_head
 from .feeding import check_can_speculate, prefill
 from .lru_prompt_cache import LRUPromptCache
 from .models.cache import make_prompt_cache
-from .models.checkpoints import PrefillChunks, SnapshottingProgress, always_trimmable
+from .models.checkpoints import CheckpointedCache, PrefillChunks, SnapshottingProgress, always_trimmable
 from .openai_api import DEFAULT_MODEL_NAME, GenerationRequest, RequestError
 from .speculative import check_same_tokenizer
 from .tokenizer_utils import with_chat_template
@@ -85,14 +85,18 @@ class ServedModel:
 
     def __init__(self, path: str, draft_path: Optional[str], cache_size: int, cache_bytes: Optional[int],
                  chat_template: Optional[str] = None, max_prompt_tokens: Optional[int] = None,
-                 dtype: Optional[str] = None, mtp: bool = False, group: Optional[mx.distributed.Group] = None):
+                 dtype: Optional[str] = None, mtp: bool = False, group: Optional[mx.distributed.Group] = None,
+                 load_options: Optional[Dict[str, Any]] = None):
         from .utils import load, sharded_load
+
+        options = load_options or {}  # utils.load's adapter_path, trust_remote_code (the server's flags)
 
         self.name = path
         if group is not None and group.size() > 1:  # tensor parallel (distributed_serving.py)
-            self.model, self.tokenizer, config = sharded_load(path, tensor_group=group, return_config=True, dtype=dtype)
+            self.model, self.tokenizer, config = sharded_load(path, tensor_group=group, return_config=True, dtype=dtype,
+                                                              trust_remote_code=options.get("trust_remote_code", False))
         else:
-            self.model, self.tokenizer, config = load(path, return_config=True, dtype=dtype)
+            self.model, self.tokenizer, config = load(path, return_config=True, dtype=dtype, **options)
         self.mtp = mtp
         if mtp:
             check_mtp_head(self.model)
@@ -102,7 +106,8 @@ class ServedModel:
         self.draft_name = draft_path
         self.draft_context_length = None
         if draft_path is not None:
-            self.draft_model, draft_tokenizer, draft_config = load(draft_path, return_config=True, dtype=dtype)
+            self.draft_model, draft_tokenizer, draft_config = load(
+                draft_path, return_config=True, dtype=dtype, trust_remote_code=options.get("trust_remote_code", False))
             check_same_tokenizer(self.tokenizer, draft_tokenizer, path, draft_path)
             self.draft_context_length = context_length(draft_config)
         self.context_length = context_length(config)
@@ -257,10 +262,14 @@ class ServedModel:
         progress = SnapshottingProgress(prompt_cache, progress)
         chunks = PrefillChunks(prompt_cache, step)
         if self.mtp:
-            # The head takes the target's hidden states chunk by chunk, and the pair of
-            # the last token too: the run that continues this cache begins after it.
-            head = MTPHead(self.model, prompt_cache[:num_target], prompt_cache[num_target:], self.vocab_size)
-            head.prefill_with_target(prompt, step, progress, lambda c: None, feed_last_pair=True)
+            # The head takes the target's hidden states chunk by chunk. The run that
+            # continues this cache begins after its last token and so lacks that token's
+            # pair: a CheckpointedCache keeps the hidden state it needs (the run then
+            # feeds it as a cold run does), a plain list gets the pair now.
+            checkpoints = prompt_cache if isinstance(prompt_cache, CheckpointedCache) else None
+            head = MTPHead(self.model, prompt_cache[:num_target], prompt_cache[num_target:], self.vocab_size,
+                           checkpoints=checkpoints)
+            head.prefill_with_target(prompt, step, progress, lambda c: None, feed_last_pair=checkpoints is None)
         elif self.draft_model is None:
             prefill(self.model, prompt, prompt_cache, step, progress)
         else:  # fed as speculation feeds it (DraftModel.prefill, with the whole list's chunks)
@@ -304,9 +313,9 @@ class ModelProvider:
     def __init__(self, model_path: str, draft_path: Optional[str], allow_other_models: bool,
                  cache_size: int, cache_bytes: Optional[int], chat_template: Optional[str],
                  max_prompt_tokens: Optional[int] = None, dtype: Optional[str] = None, *, mtp: bool = False,
-                 group: Optional[mx.distributed.Group] = None):
+                 group: Optional[mx.distributed.Group] = None, load_options: Optional[Dict[str, Any]] = None):
         self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template, max_prompt_tokens,
-                                   dtype, mtp=mtp, group=group)
+                                   dtype, mtp=mtp, group=group, load_options=load_options)
         self.model_id = model_id(model_path)
         self.names = {model_path, self.model_id, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
                       DEFAULT_MODEL_NAME}

@@ -47,7 +47,7 @@ request, so there is none. Reuse is exact: identical greedy requests give identi
 outputs, with or without a draft model.
 
 Snapshots (issue 33). A fresh cache of a model with such layers is a CheckpointedCache
-(models/checkpoints.py, not with --mtp): its prefill keeps exact snapshots of them at
+(models/checkpoints.py; with --mtp its head's too): its prefill keeps exact snapshots of them at
 chunk ends, so a prompt sharing only a prefix with a stored one (another question on
 the same document, an edited turn) resumes at the nearest snapshot, KV layers trimmed
 there, and answers as a cold run does. Chunks end at multiples of the prefill step and

@@ -109,7 +109,10 @@ def make_drafter(
         )
     if mtp:
         num_target = len(model.layers)
-        return MTPHead(model, prompt_cache[:num_target], prompt_cache[num_target:], model.args.vocab_size)
+        # A CheckpointedCache keeps the hidden state the head's next pair reads (MTPHead).
+        checkpoints = prompt_cache if isinstance(prompt_cache, CheckpointedCache) else None
+        return MTPHead(model, prompt_cache[:num_target], prompt_cache[num_target:], model.args.vocab_size,
+                       checkpoints=checkpoints)
     if draft_model is not None:
         draft_cache = prompt_cache[len(model.layers) :]
         check_can_speculate(draft_model, draft_cache, "draft model")
@@ -356,11 +359,6 @@ def speculative_generate_step(
     if mtp:
         check_mtp_head(model)
     prompt_cache = _speculation_prompt_cache(prompt_cache, model, draft_model, max_kv_size, mtp)
-    if mtp and isinstance(prompt_cache, CheckpointedCache):
-        # The head's entries hold one pair fewer than the target's, and a run that goes on
-        # from a cache skips a pair: a snapshot would not resume them as a cold run has them.
-        raise ValueError("mtp=True cannot take a CheckpointedCache: an MTP head's cache does not resume from "
-                         "snapshots; pass a plain cache list (make_prompt_cache + model.make_mtp_cache())")
     drafter = make_drafter(model, draft_model, prompt_cache, prompt_lookup=prompt_lookup,
                            max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size, drafter=drafter, mtp=mtp)
     num_target = len(model.layers)

@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 from family_checks import fixture_model, noisy_model
 from test_lru_prompt_cache import flat_state as entry_state
-from test_mtp import CONFIGS as MTP_CONFIGS
-from test_mtp import build
 
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.lru_prompt_cache import LRUPromptCache
@@ -299,9 +297,3 @@ def test_speculation_takes_snapshots_target_and_draft_alike():
     assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
     assert_same_caches(got.prompt_cache, cold_cache)
 
-
-def test_an_mtp_head_refuses_a_checkpointed_cache():
-    model = build(MTP_CONFIGS["qwen3_next"])
-    prompt_cache = CheckpointedCache(make_prompt_cache(model) + model.make_mtp_cache(), STEP, 1 << 40)
-    with pytest.raises(ValueError, match="an MTP head's cache does not resume from snapshots"):
-        next(speculative_generate_step(mx.array(PROMPT), model, mtp=True, prompt_cache=prompt_cache))

@@ -33,8 +33,8 @@ SNAPSHOTS_KEY = "mlx_lm_snapshots"
 
 def _describe(saved: Saved, arrays: List[mx.array]) -> Any:
     """JSON for one entry of a snapshot; its arrays are appended to `arrays`."""
-    if saved is None:
-        return None
+    if saved is None or isinstance(saved, int):
+        return saved  # a trimmable entry: the tokens it held, None for the snapshot's position
     if isinstance(saved, list):
         return [_describe(s, arrays) for s in saved]
     cls, state, meta_state = saved
@@ -47,8 +47,8 @@ def _describe(saved: Saved, arrays: List[mx.array]) -> Any:
 
 
 def _rebuild(description: Any, tensors: Dict[str, mx.array], layer: int) -> Saved:
-    if description is None:
-        return None
+    if description is None or isinstance(description, int):
+        return description
     if isinstance(description, list):
         return [_rebuild(d, tensors, layer) for d in description]
     name = description["class"]
@@ -73,9 +73,11 @@ def save_checkpointed(file_name: str, prompt_cache: List[Any], metadata: Optiona
     for j, position in enumerate(prompt_cache.positions()):
         snapshot, arrays = prompt_cache.snapshots[position], []
         entries = [_describe(s, arrays) for s in snapshot.saved]
+        hidden = None if snapshot.hidden is None else len(arrays)
+        arrays += [] if snapshot.hidden is None else [snapshot.hidden]
         extra.update({f"{len(prompt_cache) + j}.{a}": array for a, array in enumerate(arrays)})
         described.append({"position": position, "message_boundaries": list(snapshot.message_boundaries),
-                          "nbytes": snapshot.nbytes, "entries": entries})
+                          "nbytes": snapshot.nbytes, "entries": entries, "hidden": hidden})
     metadata[SNAPSHOTS_KEY] = json.dumps({
         "prefill_step_size": prompt_cache.prefill_step_size, "max_bytes": prompt_cache.max_bytes,
         "spacing": prompt_cache.spacing, "num_tokens": prompt_cache.held_tokens(), "on_grid": prompt_cache.on_grid,
@@ -113,6 +115,9 @@ def _checkpointed(entries: List[Any], record: dict, tensors: Dict[str, mx.array]
         saved = [_rebuild(d, tensors, layer) for d in described["entries"]]
         if len(saved) != len(entries):
             raise ValueError(f"a snapshot describes {len(saved)} entries, the file holds {len(entries)}")
+        # "hidden" (an MTP head's row, the tensor's index) is absent from older files.
+        hidden = described.get("hidden")
         cache.snapshots[described["position"]] = Snapshot(
-            described["position"], saved, described["nbytes"], tuple(described["message_boundaries"]))
+            described["position"], saved, described["nbytes"], tuple(described["message_boundaries"]),
+            None if hidden is None else tensors[f"{layer}.{hidden}"])
     return cache

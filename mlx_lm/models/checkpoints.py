@@ -35,6 +35,13 @@ prompt of any length evenly; the newest one stays whatever its position (the usu
 shared prefix is all of a prompt but its end), and so do those at message boundaries
 until only they are left over budget (then the oldest go first).
 
+An MTP head (drafters.MTPHead) reads pairs (the target's final hidden state at t,
+token t + 1), so while the target holds p tokens its head's KV entries hold p - 1
+pairs, and the next pair needs the target's hidden state at p - 1. A snapshot records
+how many tokens each trimmable entry held (a resume trims it back to that) and the
+row its loop told it (`keep_hidden`), so a run resumed at p feeds the head that pair
+with the next chunk, as a cold run does (tests/test_mtp_prefix_reuse.py).
+
 Counting. The cache counts the tokens it holds: each prefill loop calls
 `maybe_snapshot(cache, num_fed)` at its chunk boundaries (0 at its start), and the
 prompt cache sets the count from its keys. Where the list has an attention entry its
@@ -139,25 +146,27 @@ def held_by_rows(entries: List[Any]) -> Optional[int]:
     return None
 
 
-# What a snapshot keeps of one entry: None (it trims), a CacheList's children's, or
-# (class, state, meta_state).
+# What a snapshot keeps of one entry: None (it trims, and held the snapshot's
+# position), an int (it trims, and held that many tokens: an MTP head's KV entries hold
+# one pair fewer than the target), a CacheList's children's, or (class, state, meta_state).
 Saved = Any
 
 
-def _save(entry: Any) -> Saved:
+def _save(entry: Any, position: int) -> Saved:
     if always_trimmable(entry):
-        return None
+        held = held_by_rows([entry])
+        return None if held is None or held == position else held
     if isinstance(entry, CacheList):
-        return [_save(c) for c in entry.caches]
+        return [_save(c, position) for c in entry.caches]
     return type(entry), _fresh(entry.state), entry.meta_state
 
 
 def _restore(entry: Any, saved: Saved, num_later: int) -> Any:
     """`entry` as it was `num_later` tokens ago: rebuilt from what was saved then, or
-    (a trimmable entry) a copy trimmed by num_later."""
-    if saved is None:
+    (a trimmable entry) a copy trimmed back to what it held then."""
+    if saved is None or isinstance(saved, int):
         copy = copy_entry(entry)
-        copy.trim(num_later)
+        copy.trim(num_later if saved is None else held_by_rows([copy]) - saved)
         return copy
     if isinstance(saved, list):
         return CacheList(*(_restore(c, s, num_later) for c, s in zip(entry.caches, saved)))
@@ -169,20 +178,24 @@ def _restore(entry: Any, saved: Saved, num_later: int) -> Any:
 class Snapshot:
     """The untrimmable entries of a cache list after its first `position` tokens; one
     Saved per entry. Shared, never changed, by the copies of the cache it was taken of.
-    `message_boundaries`: those its chunks were cut at (all at or before `position`)."""
+    `message_boundaries`: those its chunks were cut at (all at or before `position`);
+    `hidden`: the target's final hidden state (1, H) at position - 1, where an MTP head
+    reads it (its next pair; see CheckpointedCache.keep_hidden), else None."""
 
     position: int
     saved: List[Saved]
     nbytes: int
     message_boundaries: Tuple[int, ...] = ()
+    hidden: Optional[mx.array] = None
 
     @classmethod
-    def take(cls, entries: List[Any], position: int, message_boundaries: Sequence[int] = ()) -> "Snapshot":
-        saved = [_save(e) for e in entries]
-        arrays = _arrays([s[1] for s in _flat_saved(saved)])
+    def take(cls, entries: List[Any], position: int, message_boundaries: Sequence[int] = (),
+             hidden: Optional[mx.array] = None) -> "Snapshot":
+        saved = [_save(e, position) for e in entries]
+        arrays = _arrays([s[1] for s in _flat_saved(saved)]) + _arrays(hidden)
         mx.eval(arrays)
         bounds = tuple(b for b in message_boundaries if b <= position)
-        return cls(position, saved, sum(a.nbytes for a in arrays), bounds)
+        return cls(position, saved, sum(a.nbytes for a in arrays), bounds, hidden)
 
     @property
     def at_message(self) -> bool:
@@ -198,7 +211,7 @@ def _flat_saved(saved: List[Saved]) -> List[Tuple[type, Any, Any]]:
     for s in saved:
         if isinstance(s, list):
             found += _flat_saved(s)
-        elif s is not None:
+        elif isinstance(s, tuple):
             found.append(s)
     return found
 
@@ -231,8 +244,9 @@ class CheckpointedCache(RewindableCacheList):
     `num_tokens`: the tokens it holds as counted (None: unknown, see held_tokens);
     `on_grid`: it holds what a cold prefill holds after those tokens (every chunk so
     far cut by chunk_end), so a snapshot taken now is exact; `snapshots`: by
-    position; `message_boundaries`: the current prompt's (set_message_boundaries).
-    Positions are counted from the first token the list holds."""
+    position; `message_boundaries`: the current prompt's (set_message_boundaries);
+    `last_hidden`: (position, row) from keep_hidden, for an MTP head. Positions are
+    counted from the first token the list holds."""
 
     def __init__(self, entries: List[Any], prefill_step_size: int, max_bytes: int, *, num_tokens: int = 0,
                  on_grid: Optional[bool] = None):
@@ -249,6 +263,7 @@ class CheckpointedCache(RewindableCacheList):
         self.snapshots: Dict[int, Snapshot] = {}
         self.message_boundaries: Tuple[int, ...] = ()
         self.num_tokens: Optional[int] = num_tokens
+        self.last_hidden: Optional[Tuple[int, mx.array]] = None
         # Unless told, only an empty list is known to hold a cold prefill's state.
         self.on_grid = num_tokens == 0 if on_grid is None else on_grid
         self._seen = _identities(_recurrent_arrays(self))
@@ -275,6 +290,21 @@ class CheckpointedCache(RewindableCacheList):
         if held is None or [b for b in bounds if b <= held] != [b for b in self.message_boundaries if b <= held]:
             self.on_grid = False
         self.message_boundaries = bounds
+
+    def keep_hidden(self, position: int, row: Optional[mx.array]) -> None:
+        """An MTP head's loop tells the target's final hidden state (1, H) at its last
+        held position, `position` - 1 (None: unknown). The head's next pair reads it,
+        which its entries (one pair behind the target's) lack: a snapshot taken at
+        `position` keeps it, so that a run resumed there feeds the pair a cold run feeds."""
+        # Its own copy: a row of a chunk's hidden states would keep the whole chunk alive.
+        self.last_hidden = None if row is None else (position, mx.contiguous(row))
+
+    def hidden_at(self, position: int) -> Optional[mx.array]:
+        """The row keep_hidden told for `position`, or a snapshot's there; None if neither."""
+        if self.last_hidden is not None and self.last_hidden[0] == position:
+            return self.last_hidden[1]
+        snapshot = self.snapshots.get(position)
+        return None if snapshot is None else snapshot.hidden
 
     def chunk_origin(self) -> Optional[int]:
         """The position the next prefill chunk starts at, or None where unknown."""
@@ -342,7 +372,7 @@ class CheckpointedCache(RewindableCacheList):
         self.on_grid = self.on_grid and start + num_fed == expected
         self._recount(just_fed=True)
         if self.on_grid:
-            self._add(Snapshot.take(self, self.num_tokens, self.message_boundaries))
+            self._add(Snapshot.take(self, self.num_tokens, self.message_boundaries, self.hidden_at(self.num_tokens)))
 
     def _add(self, snapshot: Snapshot) -> None:
         """Keep `snapshot` as the newest; thin the others to fit the budget."""
@@ -388,6 +418,7 @@ class CheckpointedCache(RewindableCacheList):
         copy.spacing = self.spacing
         copy.message_boundaries = self.snapshots[position].message_boundaries if restored else self.message_boundaries
         copy.snapshots = {p: s for p, s in self.snapshots.items() if p <= position}
+        copy.keep_hidden(position, self.hidden_at(position))
         return copy
 
     def trim(self, num_tokens: int) -> int:
@@ -411,6 +442,7 @@ class CheckpointedCache(RewindableCacheList):
         self[:] = self._entries_at(position, held)
         self.num_tokens, self.on_grid = position, True
         self.message_boundaries = self.snapshots[position].message_boundaries
+        self.keep_hidden(position, self.snapshots[position].hidden)
         self._forget_after(position)
         self._seen = _identities(_recurrent_arrays(self))
         return num_tokens
