@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .cli_args import HelpFormatter
-from .gguf import check_model_type, convert_to_gguf
+from .gguf import check_exportable, convert_to_gguf
 from .hub import check_repo_id, upload_to_hub
 from .tuner.lora import LoRALinear, LoRASwitchLinear
 from .utils import dequantize_model, get_model_path, load_adapters, load_model, load_tokenizer, save
@@ -67,15 +67,15 @@ def fuse(
     folder to that hub repo (`hub.upload_to_hub`; a failed upload is a RuntimeError and
     the folder stays). `trust_remote_code`: let the tokenizer run the repo's own code.
     `export_gguf`: also write the fused model, dequantized, to `save_path / gguf_path`
-    as GGUF (a model type it cannot take is refused before the fuse)."""
+    as GGUF (a model type or rope scaling it cannot take is refused before the fuse)."""
     if Path(save_path).exists():
         raise ValueError(f"Cannot save to {save_path}: it already exists; choose another --save-path or remove it")
     if upload_repo is not None:  # a bad id fails before the fuse, not after
         check_repo_id(upload_repo)
     model_path = get_model_path(model, revision=revision, with_code=trust_remote_code)
     base, config = load_model(model_path, lazy=True, trust_remote_code=trust_remote_code)
-    if export_gguf:  # a model type llama.cpp's llama cannot take fails before the fuse
-        check_model_type(config)
+    if export_gguf:  # a model type or rope llama.cpp's llama cannot take fails before the fuse
+        check_exportable(config)
     tokenizer = load_tokenizer(model_path, {"trust_remote_code": True} if trust_remote_code else None)
     load_adapters(base, adapter_path)
     fused = fuse_adapters(base)

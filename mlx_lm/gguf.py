@@ -173,6 +173,13 @@ def check_model_type(config: Dict[str, Any]) -> None:
         )
 
 
+def check_exportable(config: Dict[str, Any]) -> None:
+    """What convert_to_gguf refuses about a config, checked before any work: the model
+    type and the rope scaling (a quantization block is not refused: fuse dequantizes)."""
+    check_model_type(config)
+    rope_metadata(model_args(config))
+
+
 def check_float_config(config: Dict[str, Any]) -> None:
     if config.get("quantization") or config.get("quantization_config"):
         raise ValueError("GGUF export needs a float model, but its config has a quantization block; dequantize first")

@@ -15,7 +15,7 @@ from mlx_lm import cli
 from mlx_lm.convert import convert
 from mlx_lm.fuse import setup_arg_parser
 from mlx_lm.gguf import (
-    GGMLFileType, TokenType, convert_to_gguf, permute_weights, pre_tokenizer_name, token_table, translate_weight_names,
+    LLAMA3_SPLIT_PATTERN, GGMLFileType, TokenType, convert_to_gguf, permute_weights, pre_tokenizer_name, token_table, translate_weight_names,
 )
 from mlx_lm.utils import load, load_model
 from test_adapters import base_weights, write_adapters
@@ -178,6 +178,13 @@ def test_rope_scaling_linear_and_llama3(tiny_llama_dir, tmp_path):
     np.testing.assert_allclose(factors, expected, rtol=1e-6)
 
 
+def test_mistral_is_llama_cpp_llama(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "mistral", dict(LLAMA, model_type="mistral"), seed=4)
+    tensors, metadata = export(model_dir, tmp_path / "mistral.gguf")
+    assert metadata["general.architecture"] == "llama" and "blk.1.attn_q.weight" in tensors
+    assert metadata["llama.context_length"].item() == 4096 * 32  # MistralConfig's default
+
+
 def test_mixtral_experts_are_stacked_under_exps_names(tmp_path):
     config = dict(LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
     model_dir = write_checkpoint(tmp_path / "mixtral", config, seed=2)
@@ -224,6 +231,11 @@ def test_tokenizer_refusals_and_padding():
     with pytest.raises(ValueError, match="not this one"):
         pre_tokenizer_name({"type": "Whitespace"})
     assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [{"type": "ByteLevel"}]}) == "gpt-2"
+    llama3_split = {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT_PATTERN}, "behavior": "Isolated"}
+    llama3 = {"type": "Sequence", "pretokenizers": [llama3_split, {"type": "ByteLevel", "use_regex": False}]}
+    assert pre_tokenizer_name(llama3) == "llama3"
+    with pytest.raises(ValueError, match="not this one"):  # Llama 3's split but ByteLevel's regex too
+        pre_tokenizer_name({"type": "Sequence", "pretokenizers": [llama3_split, {"type": "ByteLevel"}]})
     tokenizer = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 2}}, "added_tokens": [
         {"id": 3, "content": "<s>", "special": True}, {"id": 4, "content": "<tool>", "special": False}]}
     texts, types = token_table(tokenizer, 6, byte_tokens=False)
@@ -250,6 +262,14 @@ def test_fuse_export_gguf_writes_a_float_file(tiny_llama_dir, tiny_model_dir, tm
     down = fused.model.layers[1].mlp.down_proj.weight
     assert mx.array_equal(tensors["blk.1.ffn_down.weight"], down.astype(mx.float16))
 
+    yarn_dir = tmp_path / "yarn"
+    shutil.copytree(tiny_llama_dir, yarn_dir)
+    yarn = dict(LLAMA, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    (yarn_dir / "config.json").write_text(json.dumps(yarn))
+    with pytest.raises(SystemExit, match="not 'yarn'"):
+        cli.main(["fuse", "--model", str(yarn_dir), "--adapter-path", str(adapters),
+                  "--save-path", str(tmp_path / "yarn_fused"), "--export-gguf"])
+    assert not (tmp_path / "yarn_fused").exists()
     with pytest.raises(SystemExit, match="model type 'qwen3'"):
         cli.main(["fuse", "--model", str(tiny_model_dir), "--adapter-path", str(adapters),
                   "--save-path", str(tmp_path / "qwen_fused"), "--export-gguf", "--gguf-path", "q.gguf"])
