@@ -317,7 +317,7 @@ def _np_gated_delta(q, k, v, g, beta, state, mask):
         for b in range(B):
             for h in range(Hv):
                 kh, qh = k[b, t, h // (Hv // Hk)], q[b, t, h // (Hv // Hk)]
-                S = state[b, h] * g[b, t, h]
+                S = state[b, h] * g[b, t, h]  # a scalar, or one gate per key channel (Dk,)
                 S = S + np.outer(beta[b, t, h] * (v[b, t, h] - S @ kh), kh)
                 ys[b, t, h] = S @ qh
                 if mask is None or mask[b, t]:
@@ -327,12 +327,15 @@ def _np_gated_delta(q, k, v, g, beta, state, mask):
     return ys, state
 
 
-def test_gated_delta_ops_matches_the_naive_recurrence():
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gated_delta_ops_matches_the_naive_recurrence(per_channel):
+    """Scalar gates (B, T, Hv) and, as upstream's, a gate per key channel (B, T, Hv, Dk)."""
     rng = np.random.default_rng(7)
     B, T, Hk, Hv, Dk, Dv = 2, 5, 1, 2, 4, 3
     q, k = (rng.standard_normal((B, T, Hk, Dk)).astype(np.float32) * 0.5 for _ in range(2))
     v = rng.standard_normal((B, T, Hv, Dv)).astype(np.float32)
-    g, beta = rng.uniform(0.5, 1.0, (B, T, Hv)).astype(np.float32), rng.uniform(0, 1, (B, T, Hv)).astype(np.float32)
+    gate_shape = (B, T, Hv, Dk) if per_channel else (B, T, Hv)
+    g, beta = rng.uniform(0.5, 1.0, gate_shape).astype(np.float32), rng.uniform(0, 1, (B, T, Hv)).astype(np.float32)
     state = rng.standard_normal((B, Hv, Dv, Dk)).astype(np.float32)
     mask = np.array([[True] * T, [False, True, True, False, True]])
     for m in (None, mask):
@@ -344,5 +347,5 @@ def test_gated_delta_ops_matches_the_naive_recurrence():
     assert zero_start.dtype == mx.float32
     np.testing.assert_allclose(np.array(zero_start), _np_gated_delta(q, k, v, g, beta, 0 * state, None)[1],
                                rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="KDA's recurrence"):
-        gated_delta_ops(*map(mx.array, (q, k, v, np.ones((B, T, Hv, Dk), np.float32), beta)))
+    with pytest.raises(ValueError, match="inputs disagree"):
+        gated_delta_ops(*map(mx.array, (q, k, v, np.ones((B, T, Hv, Dk + 1), np.float32), beta)))

@@ -180,6 +180,41 @@ def gated_delta_sequential(
     return y, state_t.swapaxes(-1, -2).reshape(B, Hv, Dv, Dk)
 
 
+@mx.compile
+def _channel_gated_step(state, q, k, v, g, beta):
+    """One token. state (B, Hk, r, Dv, Dk); q, k (B, Hk, Dk); v (B, Hk, r, Dv);
+    g (B, Hk, r, Dk); beta (B, Hk, r) -> y (B, Hk, r, Dv), new state."""
+    # With S' = S diag(g): S' k = S (g * k) and S' q = S (g * q), read in one matmul.
+    kq = mx.stack([g * k[:, :, None], g * q[:, :, None]], axis=-2)  # (B, Hk, r, 2, Dk)
+    reads = kq @ state.swapaxes(-1, -2)  # (B, Hk, r, 2, Dv)
+    delta = beta[..., None] * (v - reads[..., 0, :])  # (B, Hk, r, Dv)
+    y = reads[..., 1, :] + delta * (k * q).sum(-1)[:, :, None, None]
+    state = g[..., None, :] * state + delta[..., None] * k[:, :, None, None, :]
+    return y, state
+
+
+def channel_gated_sequential(q, k, v, g, beta, state, states_after=None):
+    """The recurrence with a gate per key channel (KDA's; kda.py) one token at a time:
+    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g (B, T, Hv, Dk); beta (B, T, Hv); state
+    (B, Hv, Dv, Dk) fp32 -> y (B, T, Hv, Dv) fp32, state. Value heads are grouped by key
+    head (B, Hk, r, ...); `states_after`, if given, gets the state after each step."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    r = Hv // Hk
+    q, k, v = (x.astype(mx.float32) for x in (q, k, v))
+    v = v.reshape(B, T, Hk, r, Dv)
+    g, beta = g.reshape(B, T, Hk, r, Dk), beta.reshape(B, T, Hk, r)
+    S = state.reshape(B, Hk, r, Dv, Dk)
+    ys = []
+    for t in range(T):
+        y, S = _channel_gated_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        ys.append(y)
+        if states_after is not None:
+            states_after.append(S.reshape(B, Hv, Dv, Dk))
+    y = mx.stack(ys, axis=1)  # (B, T, Hk, r, Dv)
+    return y.reshape(B, T, Hv, Dv), S.reshape(B, Hv, Dv, Dk)
+
+
 def unit_lower_inverse(L: mx.array) -> mx.array:
     """(I + L)^-1 for strictly lower-triangular L (N, C, C), C a power of two.
 
@@ -438,11 +473,11 @@ def gated_delta_update(
 
 
 def _masked_gates(g: mx.array, beta: mx.array, mask: Optional[mx.array]) -> Tuple[mx.array, mx.array]:
-    """g, beta (B, T, Hv) with a padding step's (mask (B, T) False) g = 1 and beta = 0,
-    which keep the state as it is."""
+    """g (B, T, Hv) or (B, T, Hv, Dk), beta (B, T, Hv) with a padding step's (mask (B, T)
+    False) g = 1 and beta = 0, which keep the state as it is."""
     if mask is None:
         return g, beta
-    return mx.where(mask[..., None], g, 1.0), mx.where(mask[..., None], beta, 0.0)
+    return mx.where(mask.reshape(mask.shape + (1,) * (g.ndim - 2)), g, 1.0), mx.where(mask[..., None], beta, 0.0)
 
 
 def _masked_outputs(y: mx.array, mask: Optional[mx.array]) -> mx.array:
@@ -453,19 +488,17 @@ def _masked_outputs(y: mx.array, mask: Optional[mx.array]) -> mx.array:
 def gated_delta_ops(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                     state: Optional[mx.array] = None, mask: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
     """Upstream's ops-only reference: the recurrence one token at a time, from gates
-    already formed (gated_delta_sequential; there is no kernel here to check against).
+    already formed (there is no kernel here to check against).
 
-    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); state (B, Hv, Dv, Dk),
-    zeros in fp32 if None; mask (B, T) bool, False marking padding steps, which leave
-    the state unchanged (their outputs are 0; upstream's are those of the step it then
-    drops, as meaningless). Returns y (B, T, Hv, Dv) in q's dtype and the fp32 state.
-    Upstream also takes a gate per key channel, g (B, T, Hv, Dk): that is KDA's
-    recurrence, models/kda.py's kda_sequential (which builds on this module)."""
-    if g.ndim == 4:
-        raise ValueError(f"a gate per key channel, g {g.shape}, is KDA's recurrence: call "
-                         "mlx_lm.models.kda.kda_sequential (or kda_recurrence)")
-    g, beta, fp32_state = _fp32_inputs(q, k, v, *_masked_gates(g, beta, mask), state)
-    y, new_state = gated_delta_sequential(q, k, v, g, beta, fp32_state)
+    q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g (B, T, Hv), or (B, T, Hv, Dk) for a gate per
+    key channel (KDA's); beta (B, T, Hv); state (B, Hv, Dv, Dk), zeros in fp32 if None;
+    mask (B, T) bool, False marking padding steps, which leave the state unchanged
+    (their outputs are 0; upstream's are those of the step it then drops, as
+    meaningless). Returns y (B, T, Hv, Dv) in q's dtype and the fp32 state."""
+    per_channel = g.ndim == 4
+    g, beta, fp32_state = _fp32_inputs(q, k, v, *_masked_gates(g, beta, mask), state, per_channel)
+    sequential = channel_gated_sequential if per_channel else gated_delta_sequential
+    y, new_state = sequential(q, k, v, g, beta, fp32_state)
     return _masked_outputs(y, mask).astype(q.dtype), new_state
 
 

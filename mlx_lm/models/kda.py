@@ -21,6 +21,7 @@ from .gated_delta import (
     _fp32_inputs,
     _scan_chunks,
     _to_chunks,
+    channel_gated_sequential,
     recorded,
     unit_lower_inverse,
 )
@@ -43,39 +44,6 @@ def compute_kda_g(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     return mx.exp(-rate * mx.logaddexp(x, 0.0))
 
 
-@mx.compile
-def _kda_step(state, q, k, v, g, beta):
-    """One token. state (B, Hk, r, Dv, Dk); q, k (B, Hk, Dk); v (B, Hk, r, Dv);
-    g (B, Hk, r, Dk); beta (B, Hk, r) -> y (B, Hk, r, Dv), new state."""
-    # With S' = S diag(g): S' k = S (g * k) and S' q = S (g * q), read in one matmul.
-    kq = mx.stack([g * k[:, :, None], g * q[:, :, None]], axis=-2)  # (B, Hk, r, 2, Dk)
-    reads = kq @ state.swapaxes(-1, -2)  # (B, Hk, r, 2, Dv)
-    delta = beta[..., None] * (v - reads[..., 0, :])  # (B, Hk, r, Dv)
-    y = reads[..., 1, :] + delta * (k * q).sum(-1)[:, :, None, None]
-    state = g[..., None, :] * state + delta[..., None] * k[:, :, None, None, :]
-    return y, state
-
-
-def _step_through(step, q, k, v, g, beta, state, states_after=None):
-    """Run `step` over the T tokens: value heads grouped by key head (B, Hk, r, ...).
-    `states_after`, if given, gets the state after each step."""
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
-    r = Hv // Hk
-    q, k, v = (x.astype(mx.float32) for x in (q, k, v))
-    v = v.reshape(B, T, Hk, r, Dv)
-    g, beta = g.reshape(B, T, Hk, r, Dk), beta.reshape(B, T, Hk, r)
-    S = state.reshape(B, Hk, r, Dv, Dk)
-    ys = []
-    for t in range(T):
-        y, S = step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-        ys.append(y)
-        if states_after is not None:
-            states_after.append(S.reshape(B, Hv, Dv, Dk))
-    y = mx.stack(ys, axis=1)  # (B, T, Hk, r, Dv)
-    return y.reshape(B, T, Hv, Dv), S.reshape(B, Hv, Dv, Dk)
-
-
 def kda_sequential(
     q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
     states_after: Optional[List[mx.array]] = None,
@@ -86,7 +54,7 @@ def kda_sequential(
     (B, Hv, Dv, Dk) fp32 -> y (B, T, Hv, Dv) fp32, state (B, Hv, Dv, Dk) fp32.
     `states_after`, if given, gets the state after each step.
     """
-    return _step_through(_kda_step, q, k, v, g, beta, state, states_after)
+    return channel_gated_sequential(q, k, v, g, beta, state, states_after)
 
 
 def _kda_intra_chunk(k: mx.array, log_g: mx.array, beta: mx.array):
