@@ -63,12 +63,15 @@ from .chat_messages import convert_chat, process_message_content  # noqa: F401  
 from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
 from .cli_args import (
     HelpFormatter,
+    RefusedOption,
+    add_default_chat_template_argument,
     add_drafter_arguments,
     add_dtype_argument,
     check_one_drafter,
     json_object,
     positive_float,
     positive_int,
+    use_default_chat_template,
 )
 from .connection_slots import ConnectionSlots
 from .fast_blas import blas_line
@@ -188,6 +191,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="OpenAI-compatible HTTP server for an MLX language model",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, help="Local model directory or Hugging Face repo id to serve")
+    parser.add_argument("--adapter-path", default=None,
+                        help="LoRA/DoRA adapters for --model (adapter_config.json + adapters.safetensors)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Let the tokenizers run their repo's own code (transformers' option)")
     parser.add_argument("--draft-model", default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding")
     add_drafter_arguments(parser)
@@ -208,6 +215,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default="", help="A chat template (jinja text) replacing the tokenizer's")
     parser.add_argument("--chat-template-args", type=json_object, default={},
                         help="JSON object of chat template arguments (requests' chat_template_kwargs override it)")
+    add_default_chat_template_argument(parser)
+    kv_refused = server_embedding.REFUSED_OPTIONS["kv_bits"]
+    for flag in ("--kv-bits", "--kv-group-size", "--quantized-kv-start"):
+        parser.add_argument(flag, type=int, action=RefusedOption, why=kv_refused,
+                            help="Upstream's KV cache quantization: refused (this server keeps KV caches unquantized)")
     parser.add_argument("--prompt-cache-size", type=int, default=10, help="Prompt caches kept for reuse (0: none)")
     parser.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
                         help="Memory bound of the kept prompt caches, e.g. 8GB "
@@ -282,9 +294,16 @@ def _log_limits(served: ServedModel, max_prompt_tokens: Optional[int]) -> None:
 
 
 def make_provider(args: argparse.Namespace, group: mx.distributed.Group) -> ServingModelProvider:
-    return ServingModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
-                                args.prompt_cache_bytes, args.chat_template or None, args.max_prompt_tokens,
-                                args.dtype, mtp=args.mtp, group=group)
+    """The served models. --adapter-path and --use-default-chat-template apply to --model,
+    --trust-remote-code to it and the draft; other models that requests may name
+    (--allow-other-models) load without them."""
+    load_options = {"adapter_path": args.adapter_path, "trust_remote_code": args.trust_remote_code}
+    provider = ServingModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
+                                    args.prompt_cache_bytes, args.chat_template or None, args.max_prompt_tokens,
+                                    args.dtype, mtp=args.mtp, group=group, load_options=load_options)
+    if args.use_default_chat_template:
+        use_default_chat_template(provider.default.tokenizer)
+    return provider
 
 
 def run(host: str, port: int, model_provider: ModelProvider, server_class: type = ThreadingHTTPServer,
@@ -304,6 +323,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     origins = _parse_origins(parser, args.allowed_origins)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group = distributed.world()
+    if group.size() > 1 and args.adapter_path is not None:
+        parser.error(f"--adapter-path {args.adapter_path!r}: adapters are not sharded; under mlx.launch fuse them "
+                     "first (mlx_lm.fuse) and serve the fused model")
     if group.size() > 1:  # under mlx.launch: rank 0 serves, the others follow (distributed_serving.py)
         distributed_serving.agree_on_settings(parser, args, group)
         if group.rank() != 0:

@@ -27,8 +27,9 @@ What differs from upstream, on purpose:
 - Requests may name only the served model (or "default_model"), unless the namespace
   sets this project's `allow_other_models`; upstream loads (even downloads) any model
   a request names.
-- Options this worker cannot honour are refused with ValueError (`adapter_path`,
-  `trust_remote_code`, `use_default_chat_template`, `kv_bits`, `pipeline`).
+- Options this worker cannot honour are refused with ValueError (`kv_bits`,
+  `pipeline`). `adapter_path` is the served model's only: a per-request adapter is
+  refused, as is loading another one through `ModelProvider.load`.
 - An unbounded prompt cache (`LRUPromptCache()`'s 2**63 bytes) is bounded by
   `prompt_cache_bytes`, or else by this project's default share of the free memory.
 - The stock HTTP server decides how many connections run at once: `max_connections`
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from . import distributed
+from .cli_args import use_default_chat_template
 from .connection_slots import ConnectionSlots
 from .embedded_requests import (
     CompletionRequest,
@@ -88,10 +90,8 @@ PROJECT_DEFAULTS: Dict[str, Any] = {
 }
 # Upstream options this worker cannot honour, each refused when set, with why.
 REFUSED_OPTIONS: Dict[str, str] = {
-    "adapter_path": "this server serves models without adapters: fuse them into the model first (mlx_lm.fuse)",
-    "trust_remote_code": "this server loads no code from model repositories",
-    "use_default_chat_template": "transformers no longer ships default chat templates: pass chat_template",
-    "kv_bits": "this server keeps KV caches unquantized",
+    "kv_bits": "this server keeps KV caches unquantized (its continuous batch and prompt cache hold float KV "
+               "caches); mlx_lm.generate --kv-bits quantizes them",
     "pipeline": "pipeline-parallel loading is not supported (an embedded server runs on one process)",
 }
 
@@ -123,8 +123,11 @@ class EmbeddingSettings:
     """What the worker and the handler take from an upstream-style namespace."""
 
     model: str
+    adapter_path: Optional[str]
+    trust_remote_code: bool
     draft_model: Optional[str]
     chat_template: Optional[str]
+    use_default_chat_template: bool
     defaults: ServerDefaults
     allowed_origins: List[str]
     max_batch_size: int
@@ -163,8 +166,11 @@ class EmbeddingSettings:
             raise ValueError(f"a default in cli_args (temp, top_p, top_k, min_p, max_tokens) is out of range: "
                              f"{e.message}") from None
         project = {name: _option(cli_args, name) for name in PROJECT_DEFAULTS}
-        return cls(model=model, draft_model=_option(cli_args, "draft_model"),
-                   chat_template=_option(cli_args, "chat_template") or None, defaults=defaults,
+        return cls(model=model, adapter_path=_option(cli_args, "adapter_path"),
+                   trust_remote_code=bool(_option(cli_args, "trust_remote_code")),
+                   draft_model=_option(cli_args, "draft_model"),
+                   chat_template=_option(cli_args, "chat_template") or None,
+                   use_default_chat_template=bool(_option(cli_args, "use_default_chat_template")), defaults=defaults,
                    allowed_origins=_origins(_option(cli_args, "allowed_origins")),
                    max_batch_size=_positive_int(cli_args, "decode_concurrency"),
                    prefill_batch_size=_positive_int(cli_args, "prompt_concurrency"),
@@ -189,10 +195,13 @@ class ModelProvider:
         settings = self.settings
         if self.models is None:
             project = settings.project
+            load_options = {"adapter_path": settings.adapter_path, "trust_remote_code": settings.trust_remote_code}
             self.models = ServingModelProvider(
                 settings.model, settings.draft_model, project["allow_other_models"], prompt_cache.max_size,
                 prompt_cache.max_bytes, settings.chat_template, project["max_prompt_tokens"], project["dtype"],
-                mtp=project["mtp"])
+                mtp=project["mtp"], load_options=load_options)
+            if settings.use_default_chat_template:
+                use_default_chat_template(self.models.default.tokenizer)
         self.models.default.prompt_cache = prompt_cache
         return self.models
 
@@ -202,8 +211,9 @@ class ModelProvider:
     def load(self, model_path: str, adapter_path: Optional[str] = None,
              draft_model_path: Optional[str] = None) -> Tuple[Any, Any]:
         """(model, tokenizer) of the served model; upstream's names for it only."""
-        if adapter_path is not None:
-            raise ValueError(f"adapter_path={adapter_path!r}: {REFUSED_OPTIONS['adapter_path']}")
+        if adapter_path not in (None, self.settings.adapter_path):
+            raise ValueError(f"adapter_path={adapter_path!r}: this provider serves its model with the adapters of "
+                             f"cli_args.adapter_path ({self.settings.adapter_path!r}) only")
         if self.models is None:
             self.serve(LRUPromptCache(self.settings.prompt_cache_size, _cache_bytes(self.settings, None)))
         if model_path not in self.models.names or draft_model_path not in self.models.draft_names:
@@ -218,7 +228,8 @@ class ModelProvider:
     @property
     def model_key(self) -> Optional[Tuple[str, Optional[str], Optional[str]]]:
         """Upstream's (model, adapter, draft) key of what is loaded; None before loading."""
-        return None if self.models is None else (self.settings.model, None, self.settings.draft_model)
+        return None if self.models is None else (self.settings.model, self.settings.adapter_path,
+                                                 self.settings.draft_model)
 
     @property
     def model(self) -> Any:

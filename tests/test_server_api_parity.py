@@ -1,19 +1,26 @@
 """Upstream mlx-lm 0.32.2's server names that this server's own path does not use
 (server_upstream.py: Vision, TimeBudget, APIHandler.generate_response and
 completion_usage_response), pythonic.ToolCall, and upstream's server flags
-(--decode-concurrency, --prompt-concurrency, --pipeline)."""
+(--decode-concurrency, --prompt-concurrency, --pipeline, --adapter-path,
+--trust-remote-code, --use-default-chat-template, --kv-bits and its two companions),
+on the command line and in an embedding namespace."""
 
 import argparse
+import json
+import shutil
 
 import mlx.core as mx
 import pytest
 
-from mlx_lm import server_upstream
+from mlx_lm import distributed, server_upstream, tokenizer_utils
 from mlx_lm.openai_api import RequestError, ServerDefaults, parse_request
-from mlx_lm.server import APIHandler, TimeBudget, Vision, main, setup_arg_parser
-from mlx_lm.server_embedding import EmbeddingSettings
+from mlx_lm.server import APIHandler, TimeBudget, Vision, main, make_provider, setup_arg_parser
+from mlx_lm.server import ModelProvider as EmbeddedProvider
+from mlx_lm.server_embedding import EmbeddingSettings, LRUPromptCache
 from mlx_lm.serving import BatchWorker, ModelProvider
 from mlx_lm.tool_parsers.pythonic import ToolCall, parse_tool_call
+from mlx_lm.utils import load
+from test_adapters import TOKENS, base_weights, relative_error, write_adapters
 
 
 def test_vision_refuses_images_as_a_request_with_an_image_does():
@@ -174,3 +181,63 @@ def test_embedding_reads_prompt_concurrency_and_refuses_pipeline():
     assert EmbeddingSettings.from_cli_args(namespace).prefill_batch_size == 3
     with pytest.raises(ValueError, match="pipeline=True is not supported: pipeline-parallel loading"):
         EmbeddingSettings.from_cli_args(argparse.Namespace(model="m", pipeline=True))
+
+
+def served_by_flags(*flags):
+    """The served model that `mlx_lm.server --model ... <flags>` loads (no HTTP)."""
+    return make_provider(setup_arg_parser().parse_args(list(flags)), distributed.world()).default
+
+
+def test_adapter_path_serves_the_adapted_model_also_embedded(tiny_llama_dir, tmp_path):
+    adapters, _ = write_adapters(tmp_path / "adapters", base_weights(tiny_llama_dir))
+    adapted = load(str(tiny_llama_dir), adapter_path=str(adapters))[0](TOKENS)
+    served = served_by_flags("--model", str(tiny_llama_dir), "--adapter-path", str(adapters))
+    assert relative_error(served.model(TOKENS), adapted) < 1e-6
+    assert relative_error(served_by_flags("--model", str(tiny_llama_dir)).model(TOKENS), adapted) > 1e-2
+    provider = EmbeddedProvider(argparse.Namespace(model=str(tiny_llama_dir), adapter_path=str(adapters)))
+    provider.serve(LRUPromptCache(0))
+    assert relative_error(provider.model(TOKENS), adapted) < 1e-6
+    assert provider.model_key == (str(tiny_llama_dir), str(adapters), None)
+    assert provider.load("default_model", str(adapters))[0] is provider.model
+    with pytest.raises(ValueError, match="adapter_path='other': this provider serves its model with the adapters"):
+        provider.load("default_model", "other")
+
+
+def test_trust_remote_code_reaches_the_tokenizer_also_embedded(tiny_model_dir, monkeypatch):
+    asked = []
+    real_load = tokenizer_utils.load
+    monkeypatch.setattr(tokenizer_utils, "load",
+                        lambda path, extra=None, **kw: asked.append(dict(extra or {})) or real_load(path, extra, **kw))
+    served_by_flags("--model", str(tiny_model_dir), "--trust-remote-code")
+    served_by_flags("--model", str(tiny_model_dir))
+    EmbeddedProvider(argparse.Namespace(model=str(tiny_model_dir), trust_remote_code=True)).serve(LRUPromptCache(0))
+    assert [options.get("trust_remote_code") for options in asked] == [True, None, True]
+
+
+def test_use_default_chat_template_renders_chatml_without_a_template(tiny_model_dir, tmp_path):
+    bare = shutil.copytree(tiny_model_dir, tmp_path / "bare")
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config["chat_template"] = None
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    request = parse_request({"messages": [{"role": "user", "content": "hi"}]}, "chat", ServerDefaults())
+    with pytest.raises(RequestError, match="has no chat template"):
+        served_by_flags("--model", str(bare)).encode(request)
+    served = served_by_flags("--model", str(bare), "--use-default-chat-template")
+    chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert served.encode(request) == served.tokenizer.encode(chatml, add_special_tokens=False)
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    served = served_by_flags("--model", str(bare), "--use-default-chat-template", "--chat-template", own)
+    assert served.encode(request) == served.tokenizer.encode("[hi]", add_special_tokens=False)
+    provider = EmbeddedProvider(argparse.Namespace(model=str(bare), use_default_chat_template=True))
+    provider.serve(LRUPromptCache(0))
+    assert provider.models.default.encode(request) == served.tokenizer.encode(chatml, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("flag", ["--kv-bits", "--kv-group-size", "--quantized-kv-start"])
+def test_kv_quantization_flags_are_usage_errors_naming_why(flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", "m", flag, "4"])
+    assert exited.value.code == 2
+    assert f"{flag}: this server keeps KV caches unquantized (its continuous batch" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_bits=4 is not supported: this server keeps KV caches unquantized"):
+        EmbeddingSettings.from_cli_args(argparse.Namespace(model="m", kv_bits=4))
