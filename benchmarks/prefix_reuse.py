@@ -2,7 +2,7 @@
 same prompt cold: prefix reuse on hybrid and recurrent models (issue 33), this project
 and upstream mlx-lm 0.32.2 side by side.
 
-    python benchmarks/prefix_reuse.py [--lengths 2048 8192 32768] [--models demo mamba2]
+    python benchmarks/prefix_reuse.py [--lengths 2048 8192 32768] [--models demo demo_mtp mamba2]
                                       [--steps 2048] [--forms tokens chat]
                                       [--peer-lengths [2048 8192]]
                                       [--no-peer] [--peer-venv DIR]
@@ -41,12 +41,16 @@ Each process first answers an untimed request of 128 tokens (one-time setup).
 
 Models: `demo`, the demo target examples/models/qwen3-next-stdlib (Qwen3-Next layout,
 6 Gated DeltaNet + 2 attention layers, hidden 256), on Python standard-library source
-(what it was trained on); `mamba2`, a random Mamba-2 model, 2 layers but of a real
+(what it was trained on); `demo_mtp`, the same target drafting with its MTP head
+(speculative_generate_step(mtp=True), 2 drafts a round: the cache holds the head's
+entries too, and its snapshots the hidden state the head's next pair reads; no peer,
+upstream 0.32.2 has no MTP drafting); `mamba2`, a random Mamba-2 model, 2 layers but of a real
 width (hidden 1024, 32 heads of 64, state 128, 8 groups), on random ids, written to a
 checkpoint both implementations load. Writes results/prefix_reuse.md and .png.
 """
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -67,7 +71,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
 from mlx_lm.feeding import DEFAULT_PREFILL_STEP_SIZE  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
 from mlx_lm.lru_prompt_cache import LRUPromptCache  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.served_model import default_prompt_cache_bytes  # noqa: E402
@@ -81,6 +85,7 @@ DEMO = ROOT / "examples" / "models" / "qwen3-next-stdlib"
 QUESTION, ANSWER = 64, 16
 WARM_UP = 128  # tokens of an untimed request first in each process: first calls pay one-time setup
 # Every key upstream 0.32.2's Mamba-2 ModelArgs requires (this project's drops the ones it derives).
+MTP_DRAFTS = 2  # the MTP row's draft tokens a round (fixed: a seeded or timed run should not depend on learning)
 MAMBA2 = dict(model_type="mamba2", vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
               num_heads=32, head_dim=64, state_size=128, expand=2, n_groups=8, conv_kernel=4,
               layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
@@ -140,33 +145,44 @@ def write_demo_for_peer(model, directory: Path) -> Path:
     return directory
 
 
-def answer(model, prompt_cache, tokens, step: int):
-    """(seconds to the first token, the greedy answer, the first token's logprobs)."""
+def fresh_cache(model, mtp: bool):
+    """A model's empty cache list; with `mtp` its head's entries after the target's."""
+    return make_prompt_cache(model) + (model.make_mtp_cache() if mtp else [])
+
+
+def answer(model, prompt_cache, tokens, step: int, mtp: bool = False):
+    """(seconds to the first token, the greedy answer, the first token's logprobs);
+    `mtp`: drafted by the model's MTP head."""
     start = time.perf_counter()
-    steps = generate_step(mx.array(tokens), model, max_tokens=ANSWER, prompt_cache=prompt_cache,
-                          prefill_step_size=step)
+    options = dict(max_tokens=ANSWER, prompt_cache=prompt_cache, prefill_step_size=step)
+    if mtp:
+        steps = ((t, lp) for t, lp, _ in speculative_generate_step(
+            mx.array(tokens), model, mtp=True, num_draft_tokens=MTP_DRAFTS, adaptive_draft_length=False, **options))
+    else:
+        steps = generate_step(mx.array(tokens), model, **options)
     token, logprobs = next(steps)
     mx.eval(logprobs)
     seconds = time.perf_counter() - start
     return seconds, [token] + [t for t, _ in steps], logprobs
 
 
-def measure(model, first, second, step: int, form: str) -> dict:
+def measure(model, first, second, step: int, form: str, mtp: bool = False) -> dict:
     """This project's row: the first request stored, the second answered through the
     prompt cache and cold. Form "chat": the server's message boundary at the document's
-    end is given to every cache (a cold run of a chat prompt is cut there too)."""
+    end is given to every cache (a cold run of a chat prompt is cut there too). `mtp`:
+    every request drafted by the model's MTP head."""
     lru = LRUPromptCache(max_bytes=default_prompt_cache_bytes())
     bounds = dict(message_boundaries=[len(second) - QUESTION]) if form == "chat" else {}
-    entry = lru.checkpointed(make_prompt_cache(model), step, **bounds)
-    cold_first, answered, _ = answer(model, entry, first, step)
+    entry = lru.checkpointed(fresh_cache(model, mtp), step, **bounds)
+    cold_first, answered, _ = answer(model, entry, first, step, mtp)
     lru.insert(first + answered, entry)
     start = time.perf_counter()
     fetched = lru.fetch(second, **bounds)
-    cache = fetched.prompt_cache or lru.checkpointed(make_prompt_cache(model), step, **bounds)
+    cache = fetched.prompt_cache or lru.checkpointed(fresh_cache(model, mtp), step, **bounds)
     lookup = time.perf_counter() - start
-    shared, shared_answer, shared_logprobs = answer(model, cache, fetched.remaining, step)
-    cold, cold_answer, cold_logprobs = answer(model, lru.checkpointed(make_prompt_cache(model), step, **bounds),
-                                              second, step)
+    shared, shared_answer, shared_logprobs = answer(model, cache, fetched.remaining, step, mtp)
+    cold, cold_answer, cold_logprobs = answer(model, lru.checkpointed(fresh_cache(model, mtp), step, **bounds),
+                                              second, step, mtp)
     snapshots = entry.snapshots.values()
     return dict(
         form=form, tokens=len(second), step=step, cold=cold, cold_first=cold_first, shared=lookup + shared,
@@ -204,28 +220,34 @@ def run_peer(python: Path, checkpoint: Path, first, second, step: int, form: str
 
 
 def load_models(names, workdir: Path):
-    """name -> (our model, prompts(length), the checkpoint the peer reads)."""
+    """name -> (our model, prompts(length), the checkpoint the peer reads or None (no
+    peer), whether its MTP head drafts)."""
     for name in names:
-        if name == "demo":
+        if name in ("demo", "demo_mtp"):
             model, tokenizer = load(str(DEMO))
-            yield name, model, lambda n, t=tokenizer: demo_prompts(t, n), write_demo_for_peer(model, workdir / "demo")
+            prompts = functools.partial(demo_prompts, tokenizer)
+            if name == "demo_mtp":
+                yield name, model, prompts, None, True
+            else:
+                yield name, model, prompts, write_demo_for_peer(model, workdir / "demo"), False
         else:
             checkpoint = write_mamba2(workdir / "mamba2")
             model, _ = load_model(checkpoint)
-            yield name, model, lambda n: random_prompts(MAMBA2["vocab_size"], n), checkpoint
+            yield name, model, lambda n: random_prompts(MAMBA2["vocab_size"], n), checkpoint, False
 
 
 def run(args, command: str):
     rows = []
     peer_python = None if args.no_peer else ensure_peer(args.peer_venv)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model, prompts, checkpoint in load_models(args.models, Path(tmp)):
+        for name, model, prompts, checkpoint, mtp in load_models(args.models, Path(tmp)):
             for length in args.lengths:
                 first, second = prompts(length)
                 answer(model, make_prompt_cache(model), first[:WARM_UP], args.steps[0])  # untimed
                 for step, form in itertools.product(args.steps, args.forms):
-                    row = dict(model=name, dtype=parameter_dtypes(model), **measure(model, first, second, step, form))
-                    if peer_python is not None and length in args.peer_lengths:
+                    row = dict(model=name, dtype=parameter_dtypes(model),
+                               **measure(model, first, second, step, form, mtp))
+                    if peer_python is not None and checkpoint is not None and length in args.peer_lengths:
                         row["peer"] = run_peer(peer_python, checkpoint, first, second, step, form, Path(tmp))
                     print({k: v for k, v in row.items() if k != "answer"}, flush=True)
                     rows.append(row)
@@ -334,7 +356,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, nargs="+", default=[DEFAULT_PREFILL_STEP_SIZE])
-    parser.add_argument("--models", nargs="+", choices=["demo", "mamba2"], default=["demo", "mamba2"])
+    parser.add_argument("--models", nargs="+", choices=["demo", "demo_mtp", "mamba2"],
+                        default=["demo", "demo_mtp", "mamba2"])
     parser.add_argument("--peer-lengths", type=int, nargs="*", default=None,
                         help="the lengths upstream runs at (default: those of --lengths up to 8192; its CPU prefill "
                         "steps the recurrence token by token)")

@@ -97,6 +97,18 @@ def test_without_the_kept_row_the_head_skips_a_pair(model):
     assert_same_caches(got.prompt_cache[:-1], cold_cache[:-1])
 
 
+def test_a_run_continuing_a_generated_cache_feeds_the_pair_of_its_last_token(model):
+    """finish tells the cache the target's last hidden state, so a next turn (a strict
+    prefix hit) feeds the head the pair a plain list's head skips."""
+    turn = tokens(6, 5)
+    for checkpointed in (True, False):
+        prompt_cache = CheckpointedCache(fresh(model), STEP, 1 << 40) if checkpointed else fresh(model)
+        speculate(model, prompt_cache, PROMPT, max_tokens=3)
+        speculate(model, prompt_cache, turn, max_tokens=3)
+        target_held = len(PROMPT) + 3 + len(turn) + 3
+        assert prompt_cache[-1].offset == target_held - (1 if checkpointed else 2), checkpointed
+
+
 def prefilled(model, prompt):
     """A cold MTP prefill of all of `prompt` but its last token, with snapshots."""
     prompt_cache = CheckpointedCache(fresh(model), STEP, 1 << 40)
