@@ -216,10 +216,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template-args", type=json_object, default={},
                         help="JSON object of chat template arguments (requests' chat_template_kwargs override it)")
     add_default_chat_template_argument(parser)
-    kv_refused = server_embedding.REFUSED_OPTIONS["kv_bits"]
-    for flag in ("--kv-bits", "--kv-group-size", "--quantized-kv-start"):
-        parser.add_argument(flag, type=int, action=RefusedOption, why=kv_refused,
-                            help="Upstream's KV cache quantization: refused (this server keeps KV caches unquantized)")
+    # Upstream's KV cache quantization, refused (server_embedding.REFUSED_OPTIONS says why).
+    kv_refused = dict(type=int, action=RefusedOption, why=server_embedding.REFUSED_OPTIONS["kv_bits"])
+    parser.add_argument("--kv-bits", **kv_refused, help="Upstream's KV cache quantization bits: refused")
+    parser.add_argument("--kv-group-size", **kv_refused, help="Upstream's KV quantization group size: refused")
+    parser.add_argument("--quantized-kv-start", **kv_refused, help="Upstream's KV quantization start: refused")
     parser.add_argument("--prompt-cache-size", type=int, default=10, help="Prompt caches kept for reuse (0: none)")
     parser.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
                         help="Memory bound of the kept prompt caches, e.g. 8GB "
