@@ -295,7 +295,9 @@ class UpstreamModelProvider(Protocol):
 def _provided(model_provider: UpstreamModelProvider,
               prompt_cache: LRUPromptCache) -> Tuple[ServingModelProvider, EmbeddingSettings]:
     """The served models and settings of a hand-made provider, loaded by its own
-    load_default(); one request at a time unless it says is_batchable."""
+    load_default(), which applies its cli_args' loading options (adapter_path,
+    trust_remote_code, chat_template, use_default_chat_template) as upstream's provider
+    does in its load; one request at a time unless it says is_batchable."""
     model_provider.load_default()
     settings = EmbeddingSettings.from_cli_args(model_provider.cli_args,
                                                model=ProvidedModel.name_of(model_provider.model_key))
