@@ -58,7 +58,7 @@ from .feeding import DEFAULT_PREFILL_STEP_SIZE, check_can_speculate, generation_
 from .generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats, StatsWindow  # noqa: F401 (re-exported)
 from .models.batch_cache import bookkeeping, make_room
 from .models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from .models.checkpoints import PrefillChunks, maybe_snapshot
+from .models.checkpoints import PrefillChunks, maybe_snapshot, next_pair_hidden
 from .sample_utils import CategoricalSampler, make_sampler
 from .speculation_stats import SpeculationStats
 from .stop_sequences import StopSequences
@@ -259,11 +259,14 @@ class BatchGenerator:
         processors = self.logits_processors if processors is None else list(processors)
         seen = list(all_tokens) + prompt
         ends = [sum(len(s) for s in segments[: j + 1]) for j in range(len(segments))]
+        # A resumed MTP row's first pair: its first token and the hidden state the cache kept (issue 33).
+        resumed = next_pair_hidden(cache, self._num_target) if isinstance(self._drafter, BatchMTPHead) else None
         row = Row(-1, tokens, cache, max_tokens, sampler, processors,
                   None if sampler is GREEDY else seed, total=tokens.size,
                   history=mx.array(seen, dtype=mx.uint32) if processors else None, num_draft_tokens=num_draft_tokens,
                   tokens=seen, num_given=len(all_tokens), segment_ends=ends,
-                  stop=(stop if stop is not None else self.stop_sequences).matcher())
+                  stop=(stop if stop is not None else self.stop_sequences).matcher(),
+                  draft_pending=None if resumed is None else (tokens[None, :1], resumed[None]))
         row.acceptance = self._policy.new_row()
         row.speculation = SpeculationStats(acceptance_rule=acceptance_rule(sampler)) if self.speculating else None
         return row
@@ -325,7 +328,7 @@ class BatchGenerator:
         if self._drafter is not None:
             r.draft_pending = self._drafter.prefill(r.cache[self._num_target :], tokens, hidden, r.draft_pending)
         mx.eval([c.state for c in r.cache], r.draft_pending)
-        maybe_snapshot(r.cache, tokens.size - 1)  # a CheckpointedCache's snapshots (issue 33)
+        maybe_snapshot(r.cache, tokens.size - 1, None if hidden is None else hidden[0, -1:])  # snapshots (issue 33)
 
     def _first_alone(self, r: Row) -> None:
         self._rounds.untimed()

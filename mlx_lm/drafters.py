@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from .feeding import CachedModel, Processors, on_generation_stream, prefill, processed_logprobs
 from .models.cache import trim_prompt_cache
-from .models.checkpoints import CheckpointedCache, PrefillChunks, held_by_rows
+from .models.checkpoints import CheckpointedCache, PrefillChunks, held_by_rows, next_pair_hidden
 from .sample_utils import CategoricalSampler
 
 
@@ -347,8 +347,8 @@ class MTPHead(Drafter):
         self.start = held_by_rows(target_cache) or 0  # run position 0 is this absolute position
         self.num_pairs = 0  # the head holds pairs 0..num_pairs-1 of this run
         self.num_drafting = 0  # entries it was fed while drafting, beyond them
-        row = None if checkpoints is None or self.start == 0 else checkpoints.hidden_at(self.start)
-        if row is not None and held_by_rows(head_cache) == self.start - 1:
+        row = None if checkpoints is None else next_pair_hidden(checkpoints, len(target_cache))
+        if row is not None:
             self.num_pairs = -1  # pair -1: (the run's first token, the target's state before it)
             self.target.hidden.add(-1, row)
 

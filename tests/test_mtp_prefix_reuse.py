@@ -191,30 +191,21 @@ def stored_head(worker, key):
     return worker.provider.default.prompt_cache.fetch(list(key) + [0]).prompt_cache
 
 
+@pytest.mark.parametrize("kind", ["one_at_a_time", "batch"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}])
-def test_the_server_resumes_an_mtp_prompt_and_answers_as_cold(model_dir, sampling):
-    warm = worker(model_dir)
+def test_the_server_resumes_an_mtp_prompt_and_answers_as_cold(model_dir, kind, sampling):
+    """One at a time and in the batch: the second request resumes at the snapshot and
+    answers as a cold server does, drafts included, and both store its prompt with the
+    same caches, the head's included."""
+    warm = worker(model_dir, kind)
     answer(warm, FIRST, **sampling)
     resumed = answer(warm, SECOND, **sampling)
     assert resumed.cached_tokens == 32 and resumed.speculation.num_drafted > 0
-    cold = worker(model_dir)
+    cold = worker(model_dir, kind)
     again = answer(cold, SECOND, **sampling)
     assert again.cached_tokens == 0 and again.text == resumed.text
     assert (again.speculation.num_drafted, again.speculation.num_accepted) == (
         resumed.speculation.num_drafted, resumed.speculation.num_accepted)
-    # Both store the prompt (before generation) with the same caches, head included.
     assert_same_caches(stored_head(warm, SECOND[:-1]), stored_head(cold, SECOND[:-1]))
     lru = warm.provider.default.prompt_cache
     assert lru.nbytes <= lru.max_bytes
-
-
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}])
-def test_the_batch_server_resumes_an_mtp_prompt_with_the_cold_answer(model_dir, sampling):
-    """The batch resumes too and answers as a cold batch (the target decides every
-    token). Its rows do not read the kept row yet: a resumed row's head skips the pair
-    of the snapshot's last token, so only its drafts may differ from a cold row's."""
-    warm = worker(model_dir, "batch")
-    answer(warm, FIRST, **sampling)
-    resumed = answer(warm, SECOND, **sampling)
-    assert resumed.cached_tokens == 32
-    assert answer(worker(model_dir, "batch"), SECOND, **sampling).text == resumed.text

@@ -357,11 +357,14 @@ class CheckpointedCache(RewindableCacheList):
             )
         return self.num_tokens
 
-    def took_in(self, num_fed: int) -> None:
+    def took_in(self, num_fed: int, hidden: Optional[mx.array] = None) -> None:
         """The prefill hook (maybe_snapshot): the list just took in one chunk of
-        `num_fed` tokens, or (0) a prefill is about to start."""
+        `num_fed` tokens, or (0) a prefill is about to start; `hidden`: the target's
+        final hidden state (1, H) at the chunk's last position, for an MTP head."""
         if num_fed < 0:
             raise ValueError(f"a prefill chunk cannot feed {num_fed} tokens")
+        if hidden is not None and self.num_tokens is not None and self._fed_since_count():
+            self.keep_hidden(self.num_tokens + num_fed, hidden)
         if num_fed == 0 or self.num_tokens is None or not self._fed_since_count():
             self._recount()  # a prefill starts, the count is lost, or a second hook told of this chunk
             return
@@ -488,14 +491,28 @@ class PrefillChunks:
         return segments
 
 
-def maybe_snapshot(prompt_cache: List[Any], num_fed: int) -> None:
+def maybe_snapshot(prompt_cache: List[Any], num_fed: int, hidden: Optional[mx.array] = None) -> None:
     """The prefill hook. A prefill loop calls it with a model's whole cache list (a
     draft's entries included, once they took the chunk too) at each chunk boundary:
-    `num_fed` = 0 before its first chunk, then the tokens each chunk fed. Only a
+    `num_fed` = 0 before its first chunk, then the tokens each chunk fed, and with an
+    MTP head the target's hidden state (1, H) at the chunk's last position. Only a
     CheckpointedCache does anything: it counts, and snapshots on the grid. A chunk told
     of twice (a loop's hook and a SnapshottingProgress around it) counts once."""
     if isinstance(prompt_cache, CheckpointedCache):
-        prompt_cache.took_in(num_fed)
+        prompt_cache.took_in(num_fed, hidden)
+
+
+def next_pair_hidden(prompt_cache: List[Any], num_target: int) -> Optional[mx.array]:
+    """For an MTP head's entries after the first `num_target` of a cache list: the
+    target's hidden state (1, H) the head's next pair reads, where the list is a
+    CheckpointedCache that kept it and the head holds one pair fewer than the target
+    (after a prefill, a resume or a run); else None (the head skips that pair)."""
+    if not isinstance(prompt_cache, CheckpointedCache):
+        return None
+    held = held_by_rows(prompt_cache[:num_target])
+    if not held or held_by_rows(prompt_cache[num_target:]) != held - 1:
+        return None
+    return prompt_cache.hidden_at(held)
 
 
 class SnapshottingProgress:
