@@ -4,7 +4,8 @@ pair reads. A prompt resumed at a snapshot then feeds target and head in the chu
 cold run feeds: its caches (target and head) equal a cold run's bit for bit, and so do
 its tokens and logprobs, greedy and sampled with a seed, for shared lengths on, just
 before and just after a snapshot; through speculative_generate_step, trim_prompt_cache,
-a prompt-cache file and the server's one-at-a-time worker."""
+a prompt-cache file and the server's workers (one at a time and batched). A run that
+continues a generated cache feeds the head the pair of its last token too."""
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +38,7 @@ def fresh(model):
 
 
 def speculate(model, prompt_cache, prompt, sampled=False, max_tokens=8):
-    """Tokens and logprobs of an MTP run, and (drafted, accepted) per round."""
+    """Tokens and logprobs of an MTP run, and its (drafted, accepted) counts."""
     stats = SpeculationStats()
     mx.random.seed(7)
     sampler = make_sampler(temp=1.0) if sampled else None
