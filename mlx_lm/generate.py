@@ -52,7 +52,7 @@ from .models.cache import (  # noqa: F401  (upstream's generate.py imports them:
     trim_prompt_cache,
 )
 from .sample_utils import LogitsProcessor, Sampler, greedy_sampler, make_sampler  # noqa: F401  (as above)
-from .speculation_stats import SpeculationStats
+from .speculation_stats import SpeculationStats, telemetry_lines
 from .speculative import check_same_tokenizer, speculative_generate_step  # noqa: F401  (upstream's home)
 from .stop_sequences import StopSequences
 from .tokenizer_utils import TokenizerWrapper
@@ -376,24 +376,10 @@ def generate(
             )
             histogram = ", ".join(f"k={k}: {n}" for k, n in enumerate(spec.draft_lengths) if n)
             print(f"Draft length: mean {spec.mean_draft_length:.2f} per round ({histogram})")
-            for line in speculation_telemetry(spec):
+            for line in telemetry_lines(spec):
                 print(line)
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
-
-
-def speculation_telemetry(spec: SpeculationStats) -> List[str]:
-    """The verbose lines on acceptance by depth, round costs and the speedup bound."""
-    depths = ", ".join(f"d={d + 1}: {a}/{n} ({a / n:.0%})"
-                       for d, (a, n) in enumerate(zip(spec.accepted_at_depth, spec.drafted_at_depth)))
-    costs = ", ".join(f"k={k}: {s * 1e3:.2f} ms" for k, s in enumerate(spec.mean_round_seconds) if s is not None)
-    lines = [f"Acceptance by depth: {depths or 'nothing drafted'}", f"Round cost: {costs or 'not measured'}"]
-    if spec.bound is None:
-        lines[-1] += " (no plain step to compare with, so no bound)"
-    else:
-        lines.append(f"Speedup: x{spec.measured_speedup:.2f} measured, bound x{spec.bound:.2f} at "
-                     f"k={spec.bound_draft_length}, efficiency {spec.efficiency:.0%}")
-    return lines
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -452,8 +438,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fixed-draft-length", action="store_true",
                         help="Draft exactly --num-draft-tokens every round (also implied by --seed with "
                         "--temp > 0, so that a seeded sampled run replays exactly)")
-    add_upstream_generate_arguments(parser)
     add_dtype_argument(parser)
+    add_upstream_generate_arguments(parser)
     return parser
 
 
@@ -536,9 +522,9 @@ def run(args: argparse.Namespace) -> str:
     if args.draft_model is not None:
         draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype,
                                             trust_remote_code=args.trust_remote_code)
+        check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
     if args.use_default_chat_template:
         use_default_chat_template(tokenizer)
-        check_same_tokenizer(tokenizer, draft_tokenizer, args.model, args.draft_model)
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(int(token) if token.isdigit() else token)
     sampler = make_sampler(

@@ -155,3 +155,17 @@ class SpeculationStats:
         length would at the measured acceptance and costs."""
         measured, bound = self.measured_speedup, self.bound
         return None if measured is None or bound is None else measured / bound
+
+
+def telemetry_lines(spec: SpeculationStats) -> List[str]:
+    """generate --verbose's lines on acceptance by depth, round costs and the speedup bound."""
+    depths = ", ".join(f"d={d + 1}: {a}/{n} ({a / n:.0%})"
+                       for d, (a, n) in enumerate(zip(spec.accepted_at_depth, spec.drafted_at_depth)))
+    costs = ", ".join(f"k={k}: {s * 1e3:.2f} ms" for k, s in enumerate(spec.mean_round_seconds) if s is not None)
+    lines = [f"Acceptance by depth: {depths or 'nothing drafted'}", f"Round cost: {costs or 'not measured'}"]
+    if spec.bound is None:
+        lines[-1] += " (no plain step to compare with, so no bound)"
+    else:
+        lines.append(f"Speedup: x{spec.measured_speedup:.2f} measured, bound x{spec.bound:.2f} at "
+                     f"k={spec.bound_draft_length}, efficiency {spec.efficiency:.0%}")
+    return lines

@@ -147,3 +147,21 @@ def test_use_default_chat_template_renders_chatml_only_without_a_template(tmp_pa
         for flags in ([], ["--use-default-chat-template"]):
             generate_main(["--model", str(model_dir), "--prompt", "hi", "--verbose", "false", *flags])
     assert prompts == ["hi", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "[hi]", "[hi]"]
+
+
+def test_generate_refuses_a_draft_whose_tokenizer_differs(tmp_path, tiny_model_dir):
+    """The draft's tokenizer is checked against the target's whatever the other flags
+    (the check once sat under --use-default-chat-template and ran only with it)."""
+    import json
+    import shutil
+
+    swapped = shutil.copytree(tiny_model_dir, tmp_path / "swapped")
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = [token for token, i in vocab.items() if i in (300, 301)]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for flags in ([], ["--use-default-chat-template"]):
+        with pytest.raises(SystemExit, match="differs from the target's"):
+            generate_main(["--model", str(tiny_model_dir), "--draft-model", str(swapped), "--prompt", "hi",
+                           "--max-tokens", "2", "--verbose", "false", *flags])
