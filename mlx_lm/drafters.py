@@ -343,8 +343,10 @@ class MTPHead(Drafter):
         self.model = model
         self.target = HiddenCachedModel(model, target_cache, num_columns, num_columns)
         self.cache = head_cache
-        self.checkpoints = checkpoints
-        self.start = held_by_rows(target_cache) or 0  # run position 0 is this absolute position
+        # Run position 0 is absolute position `start`; a target without attention entries
+        # does not show it, and then keeps no rows.
+        self.start = held_by_rows(target_cache)
+        self.checkpoints = checkpoints if self.start is not None else None
         self.num_pairs = 0  # the head holds pairs 0..num_pairs-1 of this run
         self.num_drafting = 0  # entries it was fed while drafting, beyond them
         row = None if checkpoints is None else next_pair_hidden(checkpoints, len(target_cache))
