@@ -88,6 +88,29 @@ def test_a_resumed_prompt_equals_a_cold_run(family, shared, resumed_at):
     assert_same_caches(got.prompt_cache, cold_cache)
 
 
+@pytest.mark.parametrize("family", ["gated_deltanet", "sliding_window"])
+def test_a_prompt_leaving_a_cached_answer_resumes_in_its_prompt(family):
+    """No snapshot is taken while generating: tokens fed one at a time leave a state a
+    cold prefill (cut in chunks) does not compute. A prompt that follows a cached
+    prompt and part of its answer, then leaves it (an edited reply, a template that
+    renders the answer otherwise), resumes at the prompt's last snapshot and prefills
+    the rest as a cold run does: the same continuation, bit for bit."""
+    model = fixture_model(FAMILIES[family])
+    lru, first = stored(model)
+    answer = [token for token, _ in greedy(model, make_prompt_cache(model), PROMPT, max_tokens=3)]
+    assert first.positions() == [8, 16, 24, 32, 40]  # none past the prompt
+    prompt = PROMPT + answer[:2] + tokens(2, 9)
+    got = lru.fetch(prompt)
+    assert (got.num_cached, got.remaining) == (40, prompt[40:])
+    resumed = greedy(model, got.prompt_cache, got.remaining)
+    cold_cache = make_prompt_cache(model)
+    cold = greedy(model, cold_cache, prompt)
+    assert [t for t, _ in resumed] == [t for t, _ in cold]
+    for (_, a), (_, b) in zip(resumed, cold):
+        assert mx.array_equal(a, b).item()
+    assert_same_caches(got.prompt_cache, cold_cache)
+
+
 def test_moving_a_chunk_boundary_changes_the_state():
     """Why snapshots are taken only on the prefill grid: the chunked recurrence rounds
     differently when a chunk boundary moves, so a state at an off-grid position is not
