@@ -116,12 +116,15 @@ def agree_on_cache_bytes(provider: ModelProvider, group: mx.distributed.Group) -
 
 
 def make_worker(group: mx.distributed.Group, provider: ModelProvider, args: argparse.Namespace) -> GenerationWorker:
-    """The server's generation worker: a RankWorker under more than one rank."""
+    """The server's one-request-at-a-time worker (with its --kv-bits): a RankWorker
+    under more than one rank."""
     options = (args.prefill_step_size, args.num_draft_tokens, args.fixed_draft_length, args.prompt_lookup,
                args.max_ngram_size)
+    kv_options = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                      quantized_kv_start=args.quantized_kv_start)
     if group.size() == 1:
-        return GenerationWorker(provider, *options)
-    return RankWorker(group, provider, *options)
+        return GenerationWorker(provider, *options, **kv_options)
+    return RankWorker(group, provider, *options, **kv_options)
 
 
 def follow(args: argparse.Namespace, group: mx.distributed.Group, provider: ModelProvider) -> None:

@@ -1,5 +1,11 @@
 """The worker that runs one request at a time (GenerationWorker): every MLX computation
-of `mlx_lm.server` runs on its thread. serving.py tells how the pieces fit."""
+of `mlx_lm.server` runs on its thread. serving.py tells how the pieces fit.
+
+With `kv_bits` (the server's --kv-bits) its KV caches become QuantizedKVCaches once
+they hold `quantized_kv_start` tokens, checked after each prefill chunk and each step,
+as `stream_generate(..., kv_bits=...)` does, so an answer is that call's, token for
+token; the prompt cache stores and resumes the quantized entries. Only this worker
+honours them (upstream also serves --kv-bits one request at a time)."""
 
 import contextlib
 import logging
@@ -9,8 +15,9 @@ from typing import Any, Callable, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 
+from .cli_args import DEFAULT_QUANTIZED_KV_START
 from .drafters import PromptLookup
-from .feeding import DEFAULT_PREFILL_STEP_SIZE
+from .feeding import DEFAULT_PREFILL_STEP_SIZE, kv_quantizer
 from .generate import GenerationResponse, stream_generate
 from .lru_prompt_cache import FetchResult, copy_prompt_cache
 from .metrics import Metrics
@@ -50,7 +57,13 @@ class GenerationWorker:
 
     def __init__(self, provider: ModelProvider, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
                  default_num_draft_tokens: int = 3,
-                 fixed_draft_length: bool = False, prompt_lookup: bool = False, max_ngram_size: int = 3):
+                 fixed_draft_length: bool = False, prompt_lookup: bool = False, max_ngram_size: int = 3, *,
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                 quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START):
+        # The served model's caches are checked now (a sliding window cannot be
+        # quantized): a bad setting fails at startup, not on every request.
+        self.kv_options = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+        kv_quantizer(provider.default.make_cache(), **self.kv_options)
         self.provider = provider
         self.prefill_step_size = prefill_step_size
         self.default_num_draft_tokens = default_num_draft_tokens
@@ -151,6 +164,15 @@ class GenerationWorker:
 
         return progress
 
+    def _kv_quantizer(self, served: ServedModel, prompt_cache: List[Any]) -> Callable[[List[Any]], None]:
+        """feeding.kv_quantizer of the worker's settings; a model that cannot take them
+        (another one a request named, with sliding windows) is the request's 400."""
+        try:
+            return kv_quantizer(prompt_cache, **self.kv_options)
+        except ValueError as e:
+            raise RequestError(400, f"{served.name} cannot be served with this server's KV quantization "
+                                    f"(--kv-bits {self.kv_options['kv_bits']}): {e}") from None
+
     def _fetch_cache(self, served: ServedModel, job: Job) -> Tuple[List[Any], FetchResult]:
         """The request's cache: from the prompt cache, or fresh, keeping snapshots of its
         recurrent states so that later prompts resume inside it (issue 33)."""
@@ -175,11 +197,12 @@ class GenerationWorker:
         max_tokens = served.max_new_tokens(len(tokens), request.max_tokens)
         sampler, processors = self._sampling(served, request)
         prompt_cache, fetched = self._fetch_cache(served, job)
+        quantize_kv = self._kv_quantizer(served, prompt_cache)
         # Prefilled here, not by stream_generate, whose draft prefill cannot be cancelled.
         progress = self._progress(job, fetched.num_cached, len(tokens))
         lru = served.prompt_cache
         try:
-            remaining = served.prefill(fetched.remaining, prompt_cache, self.prefill_step_size, progress)
+            remaining = served.prefill(fetched.remaining, prompt_cache, self.prefill_step_size, progress, quantize_kv)
         except _Cancelled as e:
             # Both halves hold exactly the tokens fed so far: keep them, so a client that
             # retries the prompt (after its own timeout, say) resumes rather than restarts.
@@ -208,7 +231,7 @@ class GenerationWorker:
         responses = stream_generate(
             served.model, served.tokenizer, mx.array(remaining), max_tokens,
             sampler=sampler, logits_processors=processors, prompt_cache=prompt_cache,
-            prefill_step_size=self.prefill_step_size,
+            prefill_step_size=self.prefill_step_size, **self.kv_options,
             prompt_progress_callback=self._progress(job, num_fed, len(tokens)), **kwargs,
         )
         return self._consume(job, served, responses, tokens, prompt_cache, fetched.num_cached)

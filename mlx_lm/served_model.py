@@ -250,11 +250,13 @@ class ServedModel:
         return min(requested, room)
 
     def prefill(self, tokens: List[int], prompt_cache: List[Any], step: int,
-                progress: Callable[[int, int], None]) -> List[int]:
+                progress: Callable[[int, int], None],
+                quantize_kv: Callable[[List[Any]], None] = lambda cache: None) -> List[int]:
         """Feed all of `tokens` but the last to the target and the draft, `step` tokens
         at a time and each step to both, calling `progress(done, total)` after each
-        (it may raise to cancel); returns the last token. Same chunks as
-        `generate.prefill`, so the caches are the ones `stream_generate` would build."""
+        (it may raise to cancel) and `quantize_kv` on each model's entries (feeding.
+        kv_quantizer's); returns the last token. Same chunks as `generate.prefill`, so
+        the caches are the ones `stream_generate` would build."""
         num_target = len(self.model.layers)
         prompt = mx.array(tokens)
         # A CheckpointedCache's snapshots and chunk ends (issue 33): the whole list's,
@@ -269,14 +271,32 @@ class ServedModel:
             checkpoints = prompt_cache if isinstance(prompt_cache, CheckpointedCache) else None
             head = MTPHead(self.model, prompt_cache[:num_target], prompt_cache[num_target:], self.vocab_size,
                            checkpoints=checkpoints)
-            head.prefill_with_target(prompt, step, progress, lambda c: None, feed_last_pair=checkpoints is None)
+            progress = _put_back_first(prompt_cache, (head.target.cache, head.cache), progress)
+            head.prefill_with_target(prompt, step, progress, quantize_kv, feed_last_pair=checkpoints is None)
         elif self.draft_model is None:
-            prefill(self.model, prompt, prompt_cache, step, progress)
+            prefill(self.model, prompt, prompt_cache, step, progress, quantize_kv)
         else:  # fed as speculation feeds it (DraftModel.prefill, with the whole list's chunks)
             draft = DraftModel(self.draft_model, prompt_cache[num_target:], self.vocab_size)
-            prefill(self.model, prompt, prompt_cache[:num_target], step, progress,
+            target_cache = prompt_cache[:num_target]
+            progress = _put_back_first(prompt_cache, (target_cache, draft.cache), progress)
+            prefill(self.model, prompt, target_cache, step, progress, quantize_kv,
                     also=draft.prefill_feeds(prompt), chunks=chunks)
         return tokens[-1:]
+
+
+def _put_back_first(prompt_cache: List[Any], halves: Tuple[List[Any], List[Any]],
+                    progress: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """`progress`, called once `prompt_cache` holds the entries of `halves` (its two
+    parts, fed as copies): quantizing replaces entries of the lists it is given, and
+    the list's snapshots (SnapshottingProgress) and a cancelled prefill's stored cache
+    must hold the quantized ones. Every chunk's quantizing precedes its progress."""
+    num_target = len(halves[0])
+
+    def put_back_then_progress(done: int, total: int) -> None:
+        prompt_cache[:num_target], prompt_cache[num_target:] = halves
+        progress(done, total)
+
+    return put_back_then_progress
 
 
 class Job:

@@ -10,7 +10,9 @@ Serving (serving.py). The model (and `--draft-model`) is loaded once; request ha
 threads parse, validate and tokenize; one worker thread runs every MLX computation,
 so generation is serialised. Prompts past the model's context are refused before any
 work, a client that disconnects has its job cancelled, and prompt caches are reused
-exactly (see serving.py).
+exactly (see serving.py). With --kv-bits the KV caches are quantized as
+`stream_generate(..., kv_bits=...)` quantizes them, and requests are served one at a
+time, as upstream's are (generation_worker.py).
 
 Connections. The port is bound before the model loads. One thread per connection, at
 most --max-connections. A connection waiting for a request (just opened, idle between
@@ -62,8 +64,8 @@ from .api_handler import APIHandler, WORKER_STOPPED  # noqa: F401  (WORKER_STOPP
 from .chat_messages import convert_chat, process_message_content  # noqa: F401  (upstream's helpers)
 from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
 from .cli_args import (
+    DEFAULT_QUANTIZED_KV_START,
     HelpFormatter,
-    RefusedOption,
     add_default_chat_template_argument,
     add_drafter_arguments,
     add_dtype_argument,
@@ -77,6 +79,7 @@ from .connection_slots import ConnectionSlots
 from .fast_blas import blas_line
 from .feeding import DEFAULT_PREFILL_STEP_SIZE
 from .http_input import body_size  # noqa: F401  (was defined here)
+from .models.cache import check_kv_quantization
 from .openai_api import MAX_TOKENS_LIMIT, ServerDefaults, error_body
 from .openai_api import get_system_fingerprint  # noqa: F401  (upstream's name)
 # Upstream's embedding API, for `from mlx_lm.server import ...` (server_embedding.py).
@@ -216,11 +219,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template-args", type=json_object, default={},
                         help="JSON object of chat template arguments (requests' chat_template_kwargs override it)")
     add_default_chat_template_argument(parser)
-    # Upstream's KV cache quantization, refused (server_embedding.REFUSED_OPTIONS says why).
-    kv_refused = dict(type=int, action=RefusedOption, why=server_embedding.REFUSED_OPTIONS["kv_bits"])
-    parser.add_argument("--kv-bits", **kv_refused, help="Upstream's KV cache quantization bits: refused")
-    parser.add_argument("--kv-group-size", **kv_refused, help="Upstream's KV quantization group size: refused")
-    parser.add_argument("--quantized-kv-start", **kv_refused, help="Upstream's KV quantization start: refused")
+    parser.add_argument("--kv-bits", type=int, default=None,
+                        help="Quantize the KV caches to this many bits (e.g. 4 or 8; default: not quantized): "
+                             "less memory for long contexts. Turns batching off, as upstream's: requests are "
+                             "served one at a time")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                        help="Quantize a KV cache once it holds this many tokens (with --kv-bits)")
     parser.add_argument("--prompt-cache-size", type=int, default=10, help="Prompt caches kept for reuse (0: none)")
     parser.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
                         help="Memory bound of the kept prompt caches, e.g. 8GB "
@@ -267,6 +272,12 @@ def _check_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                                    ("--port", args.port, 0, 65535)]:
         if not (math.isfinite(value) and low <= value <= high):
             parser.error(f"{flag} must be in [{low}, {high}], got {value}")
+    if args.kv_bits is not None:
+        try:
+            check_kv_quantization([], args.kv_group_size, args.kv_bits, args.quantized_kv_start)
+        except ValueError as e:
+            parser.error(f"--kv-bits {args.kv_bits} --kv-group-size {args.kv_group_size} --quantized-kv-start "
+                         f"{args.quantized_kv_start}: {e}")
     return ServerDefaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, chat_template_args=args.chat_template_args)
 
@@ -305,6 +316,19 @@ def make_provider(args: argparse.Namespace, group: mx.distributed.Group) -> Serv
     if args.use_default_chat_template:
         use_default_chat_template(provider.default.tokenizer)
     return provider
+
+
+def make_worker(args: argparse.Namespace, group: mx.distributed.Group,
+                provider: ServingModelProvider) -> GenerationWorker:
+    """The continuous batch, or one request at a time: under mlx.launch
+    (distributed_serving.py), with --max-batch-size 1, or with --kv-bits (the batch
+    keeps float KV caches; upstream turns batching off for it too)."""
+    if args.kv_bits is not None and args.max_batch_size > 1:
+        log.info("--kv-bits: batching is off, requests are served one at a time")
+    if group.size() == 1 and args.max_batch_size > 1 and args.kv_bits is None:
+        return BatchWorker(provider, args.prefill_step_size, args.max_batch_size, args.num_draft_tokens,
+                           args.prompt_lookup, args.max_ngram_size, args.fixed_draft_length, args.prompt_concurrency)
+    return distributed_serving.make_worker(group, provider, args)
 
 
 def run(host: str, port: int, model_provider: ModelProvider, server_class: type = ThreadingHTTPServer,
@@ -349,17 +373,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     line = blas_line()
     if line is not None:
         log.info(line)
-    # A server under mlx.launch serves one request at a time (distributed_serving.py).
-    if group.size() == 1 and args.max_batch_size > 1:
-        try:
-            server.worker = BatchWorker(server.provider, args.prefill_step_size, args.max_batch_size,
-                                        args.num_draft_tokens, args.prompt_lookup, args.max_ngram_size,
-                                        args.fixed_draft_length, args.prompt_concurrency)
-        except ValueError as e:  # e.g. --prompt-lookup on a model whose caches cannot roll back
-            server.server_close()
-            sys.exit(f"Error: {e}")
-    else:
-        server.worker = distributed_serving.make_worker(group, server.provider, args)
+    try:
+        server.worker = make_worker(args, group, server.provider)
+    except ValueError as e:  # e.g. --prompt-lookup on a model whose caches cannot roll back
+        server.server_close()
+        sys.exit(f"Error: {e}")
     server.worker.start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Listening on %s: the server has no authentication; anyone who can reach it can use it", args.host)

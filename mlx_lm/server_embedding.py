@@ -27,8 +27,10 @@ What differs from upstream, on purpose:
 - Requests may name only the served model (or "default_model"), unless the namespace
   sets this project's `allow_other_models`; upstream loads (even downloads) any model
   a request names.
-- Options this worker cannot honour are refused with ValueError (`kv_bits`,
-  `pipeline`). `adapter_path` is the served model's only: a per-request adapter is
+- Options this worker cannot honour are refused with ValueError (`pipeline`).
+  `kv_bits` (with `kv_group_size`, `quantized_kv_start`) is honoured as upstream's:
+  requests are then served one at a time, their KV caches quantized.
+  `adapter_path` is the served model's only: a per-request adapter is
   refused, as is loading another one through `ModelProvider.load`.
 - An unbounded prompt cache (`LRUPromptCache()`'s 2**63 bytes) is bounded by
   `prompt_cache_bytes`, or else by this project's default share of the free memory.
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from . import distributed
-from .cli_args import use_default_chat_template
+from .cli_args import DEFAULT_QUANTIZED_KV_START, use_default_chat_template
 from .connection_slots import ConnectionSlots
 from .embedded_requests import (
     CompletionRequest,
@@ -61,6 +63,7 @@ from .embedded_requests import (
     to_generation_request,
 )
 from .lru_prompt_cache import LRUPromptCache
+from .models.cache import check_kv_quantization
 from .openai_api import RequestError, ServerDefaults, parse_request
 from .provided_models import ProvidedModel, ProvidedModels
 from .serving import BatchWorker, GenerationWorker, Job, ModelProvider as ServingModelProvider
@@ -75,14 +78,15 @@ log = logging.getLogger("mlx_lm.server")
 
 # What upstream's `mlx_lm.server` parser gives an option the namespace lacks (code that
 # builds its own Namespace often sets only a few), and this project's own options. Not
-# read: host, port, log_level (the embedding code's own), kv_group_size and
-# quantized_kv_start (only with kv_bits).
+# read: host, port, log_level (the embedding code's own); kv_group_size and
+# quantized_kv_start only with kv_bits.
 UPSTREAM_DEFAULTS: Dict[str, Any] = {
     "model": None, "adapter_path": None, "draft_model": None, "num_draft_tokens": 3,
     "trust_remote_code": False, "chat_template": "", "use_default_chat_template": False,
     "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 512, "chat_template_args": {},
     "allowed_origins": "*", "decode_concurrency": 32, "prompt_concurrency": 8, "prefill_step_size": 2048,
     "prompt_cache_size": 10, "prompt_cache_bytes": None, "kv_bits": None, "pipeline": False,
+    "kv_group_size": 64, "quantized_kv_start": DEFAULT_QUANTIZED_KV_START,
 }
 PROJECT_DEFAULTS: Dict[str, Any] = {
     "allow_other_models": False, "max_prompt_tokens": None, "request_timeout": 30.0, "dtype": None,
@@ -90,8 +94,6 @@ PROJECT_DEFAULTS: Dict[str, Any] = {
 }
 # Upstream options this worker cannot honour, each refused when set, with why.
 REFUSED_OPTIONS: Dict[str, str] = {
-    "kv_bits": "this server keeps KV caches unquantized (its continuous batch and prompt cache hold float KV "
-               "caches); mlx_lm.generate --kv-bits quantizes them",
     "pipeline": "pipeline-parallel loading is not supported (an embedded server runs on one process)",
 }
 
@@ -118,6 +120,19 @@ def _positive_int(cli_args: Any, name: str) -> int:
     return value
 
 
+def _kv_options(cli_args: Any) -> Dict[str, Any]:
+    """kv_bits, kv_group_size and quantized_kv_start, checked (the latter two only
+    matter, and are only checked, with kv_bits) as GenerationWorker takes them."""
+    options = {name: _option(cli_args, name) for name in ("kv_bits", "kv_group_size", "quantized_kv_start")}
+    if options["kv_bits"] is None:
+        return options
+    for name, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    check_kv_quantization([], options["kv_group_size"], options["kv_bits"], options["quantized_kv_start"])
+    return options
+
+
 @dataclass(frozen=True)
 class EmbeddingSettings:
     """What the worker and the handler take from an upstream-style namespace."""
@@ -137,6 +152,7 @@ class EmbeddingSettings:
     prompt_cache_size: int
     prompt_cache_bytes: Optional[int]
     request_timeout: float
+    kv_options: Dict[str, Any]  # GenerationWorker's kv_bits, kv_group_size, quantized_kv_start
     project: Dict[str, Any]  # PROJECT_DEFAULTS' options, as given or defaulted
 
     @classmethod
@@ -178,7 +194,8 @@ class EmbeddingSettings:
                    num_draft_tokens=_positive_int(cli_args, "num_draft_tokens"),
                    prompt_cache_size=_option(cli_args, "prompt_cache_size"),
                    prompt_cache_bytes=_option(cli_args, "prompt_cache_bytes"),
-                   request_timeout=float(project["request_timeout"]), project=project)
+                   request_timeout=float(project["request_timeout"]), kv_options=_kv_options(cli_args),
+                   project=project)
 
 
 class ModelProvider:
@@ -245,8 +262,9 @@ class ModelProvider:
 
     @property
     def is_batchable(self) -> bool:
-        """Whether requests decode together (here speculation batches too)."""
-        return self.settings.max_batch_size > 1
+        """Whether requests decode together (here speculation batches too; kv_bits
+        serves them one at a time)."""
+        return self.settings.max_batch_size > 1 and self.settings.kv_options["kv_bits"] is None
 
 
 def _cache_bytes(settings: EmbeddingSettings, given: Optional[int]) -> int:
@@ -262,9 +280,10 @@ def _cache_bytes(settings: EmbeddingSettings, given: Optional[int]) -> int:
 
 def _make_worker(models: ServingModelProvider, settings: EmbeddingSettings) -> GenerationWorker:
     project = settings.project
-    if settings.max_batch_size == 1:
+    if settings.max_batch_size == 1 or settings.kv_options["kv_bits"] is not None:  # the batch keeps float KV
         return GenerationWorker(models, settings.prefill_step_size, settings.num_draft_tokens,
-                                project["fixed_draft_length"], project["prompt_lookup"], project["max_ngram_size"])
+                                project["fixed_draft_length"], project["prompt_lookup"], project["max_ngram_size"],
+                                **settings.kv_options)
     return BatchWorker(models, settings.prefill_step_size, settings.max_batch_size, settings.num_draft_tokens,
                        project["prompt_lookup"], project["max_ngram_size"], project["fixed_draft_length"],
                        settings.prefill_batch_size)

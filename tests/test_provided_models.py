@@ -115,6 +115,6 @@ def test_providers_without_upstreams_attributes_or_a_model_are_refused(model_dir
     with pytest.raises(TypeError, match="TokenizerWrapper"):
         ResponseGenerator(provider, LRUPromptCache())
     provider = HandMadeProvider(model_dirs["dense"])
-    provider.cli_args.kv_bits = 4
-    with pytest.raises(ValueError, match="kv_bits=4 is not supported"):
+    provider.cli_args.pipeline = True
+    with pytest.raises(ValueError, match="pipeline=True is not supported"):
         ResponseGenerator(provider, LRUPromptCache())

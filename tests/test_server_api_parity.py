@@ -2,8 +2,9 @@
 (server_upstream.py: Vision, TimeBudget, APIHandler.generate_response and
 completion_usage_response), pythonic.ToolCall, and upstream's server flags
 (--decode-concurrency, --prompt-concurrency, --pipeline, --adapter-path,
---trust-remote-code, --use-default-chat-template, --kv-bits and its two companions),
-on the command line and in an embedding namespace."""
+--trust-remote-code, --use-default-chat-template, --kv-bits and its two companions:
+answers equal stream_generate's with them, also resumed from the prompt cache), on the
+command line and in an embedding namespace."""
 
 import argparse
 import json
@@ -12,12 +13,16 @@ import shutil
 import mlx.core as mx
 import pytest
 
+from checkpoints import TINY_CONFIGS, write_checkpoint
+from server_harness import start_server
+
 from mlx_lm import distributed, server_upstream, tokenizer_utils
+from mlx_lm.generate import stream_generate
 from mlx_lm.openai_api import RequestError, ServerDefaults, parse_request
 from mlx_lm.server import APIHandler, TimeBudget, Vision, main, make_provider, setup_arg_parser
 from mlx_lm.server import ModelProvider as EmbeddedProvider
-from mlx_lm.server_embedding import EmbeddingSettings, LRUPromptCache
-from mlx_lm.serving import BatchWorker, ModelProvider
+from mlx_lm.server_embedding import EmbeddingSettings, LRUPromptCache, ResponseGenerator
+from mlx_lm.serving import BatchWorker, GenerationWorker, Job, ModelProvider
 from mlx_lm.tool_parsers.pythonic import ToolCall, parse_tool_call
 from mlx_lm.utils import load
 from test_adapters import TOKENS, base_weights, relative_error, write_adapters
@@ -233,11 +238,129 @@ def test_use_default_chat_template_renders_chatml_without_a_template(tiny_model_
     assert provider.models.default.encode(request) == served.tokenizer.encode(chatml, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("flag", ["--kv-bits", "--kv-group-size", "--quantized-kv-start"])
-def test_kv_quantization_flags_are_usage_errors_naming_why(flag, capsys):
+# ---------------------------------------------------------------------------
+# KV cache quantization: --kv-bits, --kv-group-size, --quantized-kv-start.
+
+# head_dim 64: the default group size (64) divides it.
+KV_CONFIGS = {"dense": dict(TINY_CONFIGS["qwen3"], head_dim=64),
+              "hybrid": dict(TINY_CONFIGS["qwen3_next"], head_dim=64)}
+KV = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=0)
+
+
+@pytest.fixture(scope="module")
+def kv_model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv_models")
+    dirs = {name: write_checkpoint(root / name, config) for name, config in KV_CONFIGS.items()}
+    dirs["draft"] = write_checkpoint(root / "draft", KV_CONFIGS["dense"], scale=0.45)
+    return dirs
+
+
+def test_kv_flags_take_upstreams_defaults():
+    args = setup_arg_parser().parse_args(["--model", "m"])
+    assert (args.kv_bits, args.kv_group_size, args.quantized_kv_start) == (None, 64, 5000)
+    args = setup_arg_parser().parse_args(["--model", "m", "--kv-bits", "4", "--kv-group-size", "32",
+                                          "--quantized-kv-start", "0"])
+    assert (args.kv_bits, args.kv_group_size, args.quantized_kv_start) == (4, 32, 0)
+    settings = EmbeddingSettings.from_cli_args(argparse.Namespace(model="m", kv_bits=4))
+    assert settings.kv_options == dict(kv_bits=4, kv_group_size=64, quantized_kv_start=5000)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-bits", "7"], "got kv_bits=7"),
+    (["--kv-bits", "4", "--kv-group-size", "48"], "got kv_group_size=48"),
+    (["--kv-bits", "4", "--quantized-kv-start", "-1"], "quantized_kv_start must be >= 0, got -1"),
+])
+def test_bad_kv_settings_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
-        main(["--model", "m", flag, "4"])
+        main(["--model", "m", *flags])
     assert exited.value.code == 2
-    assert f"{flag}: this server keeps KV caches unquantized (its continuous batch" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="kv_bits=4 is not supported: this server keeps KV caches unquantized"):
-        EmbeddingSettings.from_cli_args(argparse.Namespace(model="m", kv_bits=4))
+    assert message in capsys.readouterr().err
+    namespace = {"--kv-bits": "kv_bits", "--kv-group-size": "kv_group_size", "--quantized-kv-start": "quantized_kv_start"}
+    options = {namespace[flag]: int(value) for flag, value in zip(flags[::2], flags[1::2])}
+    with pytest.raises(ValueError, match=message):
+        EmbeddingSettings.from_cli_args(argparse.Namespace(model="m", **options))
+
+
+def test_kv_bits_on_a_model_with_sliding_windows_fails_at_startup(tmp_path):
+    provider = ModelProvider(str(write_checkpoint(tmp_path / "gpt_oss", TINY_CONFIGS["gpt_oss"])), None, False, 10,
+                             1 << 40, None)
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        GenerationWorker(provider, **KV)
+
+
+def cold(model_dir, prompt, draft_dir=None, max_tokens=8, **options):
+    """stream_generate's greedy (tokens, logprob of each) for `prompt`, from a fresh
+    cache, up to an EOS (which answers leave out)."""
+    model, tokenizer = load(str(model_dir))
+    draft = None if draft_dir is None else load(str(draft_dir))[0]
+    responses = [r for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens, draft_model=draft,
+                                            **options) if r.finish_reason != "stop"]
+    return [r.token for r in responses], [r.logprobs[r.token].item() for r in responses]
+
+
+def test_a_server_with_kv_bits_answers_as_stream_generate_does(kv_model_dirs, tmp_path):
+    prompt = list(range(40, 61))
+    server = start_server("kv", kv_model_dirs["dense"], tmp_path / "kv.log",
+                          flags=["--kv-bits", "8", "--quantized-kv-start", "0"]).wait_ready()
+    try:
+        answer = server.client.completions.create(model="default_model", prompt=prompt, max_tokens=8,
+                                                  temperature=0, logprobs=1)
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=30)
+    assert "--kv-bits: batching is off, requests are served one at a time" in server.log()
+    tokens, logprobs = cold(kv_model_dirs["dense"], prompt, **KV)
+    tokenizer = load(str(kv_model_dirs["dense"]))[1]
+    assert answer.choices[0].text == tokenizer.decode(tokens)
+    # To float tolerance: the server process may compute on another BLAS (fast_blas.py).
+    assert answer.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-5)
+    assert cold(kv_model_dirs["dense"], prompt)[1] != pytest.approx(logprobs, abs=1e-3)  # the quantization shows
+
+
+def completion(worker, prompt):
+    request = parse_request({"prompt": prompt, "max_tokens": 8, "logprobs": 1}, "text", ServerDefaults())
+    job = Job(request, None, list(prompt))
+    worker.run(job)
+    kind, result = job.events.get()
+    assert kind == "done", result
+    return result
+
+
+@pytest.mark.parametrize("target, draft", [("dense", None), ("hybrid", None), ("dense", "draft"), ("hybrid", "draft")])
+def test_kv_bits_prompt_cache_reuse_answers_as_a_cold_run(kv_model_dirs, target, draft):
+    """A second prompt sharing 8 tokens (two chunks of 4) resumes from the quantized
+    cache the first one left, and answers, logprobs included, as a cold run does."""
+    step = 4
+    provider = ModelProvider(str(kv_model_dirs[target]), draft and str(kv_model_dirs[draft]), False, 10, 1 << 40,
+                             None)
+    worker = GenerationWorker(provider, step, **KV)
+    first, second = list(range(40, 53)), list(range(40, 48)) + list(range(90, 97))
+    for prompt, num_cached in [(first, 0), (second, 8)]:
+        result = completion(worker, prompt)
+        assert result.cached_tokens == num_cached
+        tokens, logprobs = cold(kv_model_dirs[target], prompt, draft and kv_model_dirs[draft],
+                                prefill_step_size=step, **KV)
+        assert (result.text, [entry.logprob for entry in result.logprobs]) == (
+            provider.default.tokenizer.decode(tokens), logprobs)
+    stored = provider.default.prompt_cache.fetch(second + [1]).prompt_cache
+    kinds = {type(entry).__name__ for entry in stored}
+    assert "QuantizedKVCache" in kinds and "KVCache" not in kinds
+
+
+def test_an_embedded_server_honours_kv_bits(kv_model_dirs):
+    provider = EmbeddedProvider(argparse.Namespace(model=str(kv_model_dirs["dense"]), kv_bits=8,
+                                                   quantized_kv_start=0, decode_concurrency=4))
+    assert not provider.is_batchable
+    generator = ResponseGenerator(provider, LRUPromptCache(10))
+    try:
+        assert type(generator.worker) is GenerationWorker
+        prompt = list(range(40, 61))
+        job = Job(parse_request({"prompt": prompt, "max_tokens": 8, "logprobs": 1}, "text", ServerDefaults()),
+                  None, prompt)
+        generator.worker.submit(job)
+        kind, result = job.events.get(timeout=60)
+    finally:
+        generator.stop_and_join()
+    assert kind == "done", result
+    tokens, logprobs = cold(kv_model_dirs["dense"], prompt, **KV)
+    assert [entry.logprob for entry in result.logprobs] == logprobs

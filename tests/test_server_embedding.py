@@ -172,7 +172,7 @@ def test_run_serves_until_the_server_shuts_down(model_dirs):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("kv_bits", 4, "unquantized"), ("pipeline", True, "pipeline-parallel"), ("model", None, "must name the model"),
+    ("kv_bits", 7, "got kv_bits=7"), ("pipeline", True, "pipeline-parallel"), ("model", None, "must name the model"),
     ("decode_concurrency", 0, "positive integer"), ("allowed_origins", 5, "allowed_origins"),
     ("temp", -1.0, "temperature"), ("top_p", 2.0, "top_p"),
 ])

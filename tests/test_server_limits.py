@@ -306,14 +306,14 @@ def test_a_cancelled_prefill_stops_within_one_step_of_both_models(model_dirs):
     offsets = []
     prefill = served.prefill
 
-    def watched_prefill(tokens, prompt_cache, step, progress):
+    def watched_prefill(tokens, prompt_cache, step, progress, quantize_kv):
         def watched(done, total):
             # The hybrid's first layer is recurrent: its full-attention layer tells the offset.
             offsets.append((done, prompt_cache[num_target - 1].offset, prompt_cache[num_target].offset))
             if done == 48:
                 job.cancelled.set()
             progress(done, total)
-        return prefill(tokens, prompt_cache, step, watched)
+        return prefill(tokens, prompt_cache, step, watched, quantize_kv)
 
     served.prefill = watched_prefill
     body = {"prompt": LONG_PROMPT[:100], "logit_bias": {"0": -100}}
