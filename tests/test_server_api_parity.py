@@ -281,11 +281,18 @@ def test_bad_kv_settings_are_usage_errors(flags, message, capsys):
         EmbeddingSettings.from_cli_args(argparse.Namespace(model="m", **options))
 
 
-def test_kv_bits_on_a_model_with_sliding_windows_fails_at_startup(tmp_path):
-    provider = ModelProvider(str(write_checkpoint(tmp_path / "gpt_oss", TINY_CONFIGS["gpt_oss"])), None, False, 10,
-                             1 << 40, None)
+def test_kv_bits_on_a_model_with_sliding_windows_fails_at_startup_or_per_request(kv_model_dirs, tmp_path):
+    gpt_oss = write_checkpoint(tmp_path / "gpt_oss", dict(TINY_CONFIGS["gpt_oss"], head_dim=64))
     with pytest.raises(ValueError, match="RotatingKVCache"):
-        GenerationWorker(provider, **KV)
+        GenerationWorker(ModelProvider(str(gpt_oss), None, False, 10, 1 << 40, None), **KV)
+    # Another model a request names (--allow-other-models) is checked when it is loaded.
+    provider = ModelProvider(str(kv_model_dirs["dense"]), None, True, 10, 1 << 40, None)
+    job = provider.make_job(parse_request({"prompt": "x", "model": str(gpt_oss)}, "text", ServerDefaults()))
+    GenerationWorker(provider, **KV).run(job)
+    kind, status, message = job.events.get()
+    assert (kind, status) == ("error", 400)
+    assert message.startswith(f"{gpt_oss} cannot be served with this server's KV quantization (--kv-bits 8): ")
+    assert "RotatingKVCache" in message
 
 
 def cold(model_dir, prompt, draft_dir=None, max_tokens=8, **options):
