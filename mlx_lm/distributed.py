@@ -1,8 +1,9 @@
 """Running the command-line tools on several ranks (`mlx.launch`).
 
 Under `mlx.launch` every rank runs the same command. The target model is sharded
-tensor-parallel (`utils.sharded_load`), so every forward all-sums across ranks and the
-ranks must take identical decisions, token by token and round by round:
+tensor-parallel (`utils.sharded_load`), or with `--pipeline` split by layers
+(models/pipeline.py), so every forward all-sums across ranks or passes down them, and
+the ranks must take identical decisions, token by token and round by round:
 - sampling draws from one seed on every rank (`shared_seed`: rank 0's, broadcast);
 - speculation drafts a pinned number of tokens per round (the adaptive policy reads
   wall-clock times, which differ across ranks and would desynchronise them); the draft
@@ -22,7 +23,7 @@ waits forever (mlx.launch also stops the remaining ranks once one exits non-zero
 import contextlib
 import pickle
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +34,12 @@ from .feeding import on_generation_stream
 def world() -> mx.distributed.Group:
     """The global group: every rank under mlx.launch, a group of one otherwise."""
     return mx.distributed.init()
+
+
+def split_groups(group: mx.distributed.Group, pipeline: bool) -> Dict[str, Optional[mx.distributed.Group]]:
+    """`utils.sharded_load`'s group arguments for a command's `--pipeline`: every rank
+    a pipeline stage (a slice of the layers), else a tensor shard (a slice of each)."""
+    return {"pipeline_group": group if pipeline else None, "tensor_group": None if pipeline else group}
 
 
 @on_generation_stream
@@ -55,6 +62,14 @@ def broadcast_object(obj: Any, group: mx.distributed.Group) -> Any:
     mine = np.frombuffer(data, dtype=np.uint8) if group.rank() == 0 else np.zeros(size, dtype=np.uint8)
     total = mx.distributed.all_sum(mx.array(mine), group=group)
     return pickle.loads(bytes(np.array(total)))
+
+
+@on_generation_stream
+def wait_for_all(group: mx.distributed.Group) -> None:
+    """Return once every rank got here. A generation loop ends with its next forward
+    queued; a rank that exited then would cut a peer still computing it (a pipeline
+    stage runs a step ahead of the one after it) off mid-exchange."""
+    mx.eval(mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=group))
 
 
 @contextlib.contextmanager

@@ -438,6 +438,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fixed-draft-length", action="store_true",
                         help="Draft exactly --num-draft-tokens every round (also implied by --seed with "
                         "--temp > 0, so that a seeded sampled run replays exactly)")
+    parser.add_argument("--pipeline", action="store_true", help="Under mlx.launch, split the model's layers "
+                        "across the ranks (pipeline parallel) instead of sharding every layer")
     add_dtype_argument(parser)
     add_upstream_generate_arguments(parser)
     return parser
@@ -489,6 +491,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             if args.seed is not None:
                 mx.random.seed(args.seed)
             text = run(args)
+            if group.size() > 1:
+                distributed.wait_for_all(group)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")
     if not args.verbose and group.rank() == 0:
@@ -512,7 +516,7 @@ def run(args: argparse.Namespace) -> str:
             raise ValueError(f"--adapter-path {args.adapter_path!r}: adapters are not sharded; under mlx.launch "
                              "fuse them first (mlx_lm.fuse) and give the fused model")
         tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else None
-        model, tokenizer = sharded_load(args.model, tensor_group=group, dtype=args.dtype,
+        model, tokenizer = sharded_load(args.model, **distributed.split_groups(group, args.pipeline), dtype=args.dtype,
                                         tokenizer_config=tokenizer_config, model_config=activation_model_config(args))
     else:
         model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype,
@@ -583,7 +587,8 @@ def run(args: argparse.Namespace) -> str:
         if line is not None:
             print(line)
         if group.size() > 1:
-            print(f"Tensor parallel over {group.size()} ranks: {parameter_bytes(model) / 1e9:.3f} GB of "
+            print(f"{'Pipeline' if args.pipeline else 'Tensor'} parallel over {group.size()} ranks: "
+                  f"{parameter_bytes(model) / 1e9:.3f} GB of "
                   "weights on rank 0")
     return generate(model, tokenizer, prompt_tokens, verbose=verbose, **kwargs)
 

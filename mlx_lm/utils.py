@@ -1,5 +1,5 @@
 """Loading models from Hugging Face style checkpoints: the architecture a config names,
-its weights, the compute dtype, the tokenizer; tensor-parallel loading.
+its weights, the compute dtype, the tokenizer; tensor- and pipeline-parallel loading.
 
 Upstream keeps all of its checkpoint helpers in this one module, and code written for it
 imports them from here; they live in hub.py, config_files.py, quantization.py and
@@ -35,6 +35,7 @@ from .quantization import (  # noqa: F401
     read_quantization,
 )
 from .saving import EXTRA_FILES, MAX_FILE_SIZE_GB, MAX_SHARD_BYTES, WEIGHTS_INDEX, make_shards, save, save_model  # noqa: F401
+from .models.pipeline import pipelined_backbone
 from .tokenizer_utils import TokenizerWrapper
 from .tuner.utils import load_adapters  # noqa: F401  (upstream exports it here)
 
@@ -315,33 +316,46 @@ def sharded_load(
     tokenizer_config: Optional[Dict[str, Any]] = None,
     trust_remote_code: bool = False,
 ) -> Union[Tuple[nn.Module, TokenizerWrapper], Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]]:
-    """Load `repo` (a directory or hub repo id) tensor-parallel over `tensor_group` (default: the global group, as
-    `mlx.launch` sets it up): each rank keeps and materialises only its shard
-    (`model.shard`, models/sharding.py). Weights are read lazily and evaluated one
-    decoder layer at a time, so a rank holds its shards plus at most one layer's
-    full tensors, never the whole checkpoint.
+    """Load `repo` (a directory or hub repo id) split across the ranks of a group, as
+    `mlx.launch` sets it up; weights are read lazily and each rank materialises only its
+    part, one decoder layer at a time.
 
-    Every rank must then run the same forwards in the same order: each mixer and MLP
-    all-sums. For speculation that means identical drafts on every rank: seed every
-    rank alike and pin the draft length (`adaptive_draft_length=False`), since the
-    adaptive policy reads wall-clock times; `mlx_lm.generate` does both.
-    Pipeline parallelism is not implemented: `pipeline_group` must be None.
+    Tensor parallel over `tensor_group` (the default, with the global group): each rank
+    keeps its shard of every layer (`model.shard`, models/sharding.py), holding at most
+    one layer's full tensors besides, never the whole checkpoint. Pipeline parallel over
+    `pipeline_group`: each rank keeps a contiguous slice of the layers
+    (`model.model.pipeline`, models/pipeline.py) and never reads the others' weights;
+    families without it (pipeline.FAMILIES lists those with it) raise ValueError. One
+    group, not both.
+
+    Every rank must then run the same forwards in the same order (each mixer and MLP
+    all-sums; a pipeline passes each forward down the ranks). For speculation that
+    means identical drafts on every rank: seed every rank alike and pin the draft
+    length (`adaptive_draft_length=False`), since the adaptive policy reads wall-clock
+    times; `mlx_lm.generate` does both.
     `trust_remote_code` as in `load` (the tokenizer's code only; upstream's default
     tokenizer_config trusts it, this one trusts it only when asked)."""
-    if pipeline_group is not None:
-        raise ValueError(
-            f"pipeline_group={pipeline_group!r}: pipeline parallelism is not supported; "
-            "shard tensor-parallel with tensor_group instead"
-        )
-    group = tensor_group if tensor_group is not None else mx.distributed.init()
+    if pipeline_group is not None and tensor_group is not None:
+        raise ValueError("sharded_load takes pipeline_group or tensor_group, not both: "
+                         "a rank here is either a pipeline stage or a tensor shard")
     model, tokenizer, config = load(
         repo, tokenizer_config, model_config, lazy=True, return_config=True,
         trust_remote_code=trust_remote_code, dtype=dtype,
     )
-    model.shard(group)
+    if pipeline_group is not None:
+        pipelined_backbone(model, config.get("model_type", "?")).pipeline(pipeline_group)
+    else:
+        model.shard(tensor_group if tensor_group is not None else mx.distributed.init())
     for layer in model.layers:  # one layer's full tensors in memory at a time
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
     if return_config:
         return model, tokenizer, config
     return model, tokenizer
+
+
+def pipeline_load(
+    repo: str, return_config: bool = False
+) -> Union[Tuple[nn.Module, TokenizerWrapper], Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]]:
+    """Upstream's shorthand: `sharded_load` pipelined over the global group."""
+    return sharded_load(repo, mx.distributed.init(), None, return_config)

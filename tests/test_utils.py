@@ -382,16 +382,15 @@ def test_sharded_load_takes_repo_and_trust_remote_code(tiny_llama_dir, monkeypat
     assert mx.allclose(model(tokens), reference(tokens), atol=1e-5)
 
 
-def test_every_public_name_of_upstreams_utils_but_pipeline_load_is_here():
-    """Upstream 0.32.2's mlx_lm.utils names, as its users import them (pipeline_load needs
-    pipeline parallelism, which this package does not implement)."""
+def test_every_public_name_of_upstreams_utils_is_here():
+    """Upstream 0.32.2's mlx_lm.utils names, as its users import them."""
     from mlx_lm import utils
 
     upstream = """MODEL_REMAPPING MODEL_ARCHITECTURE_REMAPPING MAX_FILE_SIZE_GB DEFAULT_ALLOW_PATTERNS can_run_metal
         maybe_set_recommended_wired_limit get_total_parameters compute_bits_per_weight hf_repo_to_path load_config
         infer_quant_config load_model load_adapters load_tokenizer load sharded_load make_shards create_model_card
         upload_to_hub save_model quantize_model dequantize_model save_config save common_prefix_len
-        does_model_support_input_embeddings""".split()
+        does_model_support_input_embeddings pipeline_load""".split()
     assert [name for name in upstream if not hasattr(utils, name)] == []
 
 

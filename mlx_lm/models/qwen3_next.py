@@ -41,7 +41,7 @@ from .base import (
     create_attention_mask,
     scaled_dot_product_attention,
 )
-from . import sharding
+from . import pipeline, sharding
 from .cache import ArraysCache, KVCache
 from .gated_delta import CONV_STATE, compute_g, gated_delta_cached
 from .llama import MLP
@@ -359,19 +359,23 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class TextModel(nn.Module):
+class TextModel(pipeline.PipelineMixin, nn.Module):
     def __init__(self, args: ModelArgs, linear_attention_class=GatedDeltaNet):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i, linear_attention_class) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        # Attention layers share one mask, made from the first one's cache; GDN layers need none.
-        kinds = args.layer_types
-        self.first_attention_layer = kinds.index(FULL_ATTENTION) if FULL_ATTENTION in kinds else None
+
+    @property
+    def first_attention_layer(self) -> Optional[int]:
+        """Attention layers share one mask, made from the first one's cache (None: this
+        model, or this pipeline rank, has none); GDN layers need none."""
+        return next((i for i, layer in enumerate(self.layers) if not layer.is_linear), None)
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        h = self.embed_tokens(inputs)  # (B, L, hidden)
-        return self.norm(run_hybrid_layers(h, self.layers, cache, self.first_attention_layer))
+        h = pipeline.receive(self.embed_tokens(inputs), self.stage)  # (B, L, hidden)
+        h = run_hybrid_layers(h, self.layers, cache, self.first_attention_layer)
+        return self.norm(pipeline.send_and_share(h, self.stage, cache))
 
 
 class MultiTokenPredictor(nn.Module):

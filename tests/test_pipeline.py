@@ -1,0 +1,130 @@
+"""Pipeline parallelism (models/pipeline.py, utils.sharded_load(pipeline_group=...)):
+the layer split and its errors in one process; then, on 2 local ranks (ring backend,
+one launch: each costs seconds of imports), every supported family's pipelined greedy
+tokens, logits, rewound caches and speculation with a whole draft equal one process's,
+and mlx_lm.generate --pipeline prints what one process prints, on rank 0 only.
+"""
+
+import contextlib
+import io
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from checkpoints import TINY_CONFIGS, write_checkpoint
+from mlx_lm.generate import main as generate_main
+from mlx_lm.models import pipeline
+from mlx_lm.utils import get_model_classes, sharded_load
+from ranks import ROOT, run_ranks
+
+WORKER = str(ROOT / "tests" / "pipeline_worker.py")
+# Longer than two prefill chunks of PREFILL_STEP_SIZE.
+PROMPT = [5, 9, 33, 7, 100, 3, 5, 9, 33, 7, 12, 40, 41, 5, 9, 33, 8, 2]
+PREFILL_STEP_SIZE = 5
+# Family -> tiny config, each with more than one layer per rank.
+CONFIGS = {"qwen3_next": TINY_CONFIGS["qwen3_next"]}
+
+
+def FakeGroup(size, rank):
+    """Rank and size only: enough to plan a split, never to exchange."""
+    return SimpleNamespace(size=lambda: size, rank=lambda: rank)
+
+
+def test_default_split_gives_the_low_ranks_the_remainder():
+    assert pipeline.layer_counts(7, 3) == [3, 2, 2]
+    assert pipeline.layer_counts(4, 2, split=[1, 3]) == [1, 3]
+
+
+def test_the_last_rank_holds_the_first_layers():
+    stages = [pipeline.plan_stage(5, FakeGroup(2, rank)) for rank in (0, 1)]
+    assert [(s.start, s.end) for s in stages] == [(2, 5), (0, 2)]
+    assert [(s.receives, s.sends) for s in stages] == [(True, False), (False, True)]
+
+
+def test_more_ranks_than_layers_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"cannot split 4 layers across 5 ranks.*at most 4 ranks"):
+        pipeline.layer_counts(4, 5)
+
+
+@pytest.mark.parametrize("split, message", [
+    ([4], r"split \[4\] has 1 entries for 2 ranks"),
+    ([3, 0], r"split \[3, 0\]: the counts must be positive and sum to the model's 4 layers"),
+    ([2, 3], r"split \[2, 3\]: the counts must be positive and sum to the model's 4 layers"),
+])
+def test_a_split_that_does_not_fit_is_a_clear_error(split, message):
+    with pytest.raises(ValueError, match=message):
+        pipeline.layer_counts(4, 2, split)
+
+
+def tiny_model(family):
+    model_class, args_class = get_model_classes(CONFIGS[family])
+    return model_class(args_class.from_dict(CONFIGS[family]))
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_a_rank_keeps_only_its_layers_and_their_caches(family):
+    model = tiny_model(family)
+    held = model.layers[:2]
+    model.model.pipeline(FakeGroup(2, 1))
+    assert model.layers == held and len(model.make_cache()) == 2
+    with pytest.raises(ValueError, match="already pipelined over 2 ranks"):
+        model.model.pipeline(FakeGroup(2, 1))
+
+
+def test_every_listed_family_takes_a_pipeline():
+    for family in CONFIGS:
+        assert family in pipeline.FAMILIES
+        assert isinstance(tiny_model(family).model, pipeline.PipelineMixin), family
+    assert set(CONFIGS) == set(pipeline.FAMILIES)
+
+
+def test_an_unsupported_family_is_a_clear_error(tmp_path):
+    directory = write_checkpoint(tmp_path / "gpt_oss", TINY_CONFIGS["gpt_oss"])
+    with pytest.raises(ValueError, match=r"model type 'gpt_oss' does not support pipeline parallelism; "
+                                         r"supported: qwen3_next"):
+        sharded_load(str(directory), pipeline_group=FakeGroup(2, 0))
+
+
+def test_both_groups_at_once_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="pipeline_group or tensor_group, not both"):
+        sharded_load(str(tmp_path), pipeline_group=FakeGroup(2, 0), tensor_group=FakeGroup(2, 0))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    return {
+        family: [str(write_checkpoint(root / family, config, seed=1)),
+                 str(write_checkpoint(root / f"{family}_draft", config, seed=1, noise=0.02))]
+        for family, config in CONFIGS.items()
+    }
+
+
+def cli_args(checkpoints):
+    return ["--model", checkpoints["qwen3_next"][0], "-p", "hello hello", "-m", "12", "--verbose", "false",
+            "--ignore-chat-template", "--prefill-step-size", "2"]
+
+
+def test_two_ranks_match_one_process(checkpoints, tmp_path):
+    spec = dict(out=str(tmp_path), prompt=PROMPT, max_tokens=10, prefill_step_size=PREFILL_STEP_SIZE,
+                families=checkpoints, cli=cli_args(checkpoints) + ["--pipeline"])
+    ranks = run_ranks([sys.executable, WORKER, json.dumps(spec)], timeout=300)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for family in CONFIGS:
+        for got in (per_rank[0][family], per_rank[1][family]):
+            assert got["pipelined"] == got["one_process"], family
+            assert got["speculative"] == got["one_process"], family
+            assert got["logit_differences"] == [0.0, 0.0], family  # each layer runs once, on the same inputs
+            assert got["rewound_difference"] == 0.0, family
+        layers = CONFIGS[family]["num_hidden_layers"]
+        held = [per_rank[r][family]["held_layers"] for r in (0, 1)]
+        assert [h[0] for h in held] == [layers - layers // 2, layers // 2], family
+        assert all(h[1] == h[0] and h[2] == layers for h in held), family
+    single = io.StringIO()
+    with contextlib.redirect_stdout(single):
+        generate_main(cli_args(checkpoints))
+    assert (tmp_path / "cli0.txt").read_text() == single.getvalue() and single.getvalue().strip()
+    assert (tmp_path / "cli1.txt").read_text() == ""
