@@ -378,8 +378,19 @@ def speculative_generate_step(
                                    num_draft_tokens) if adaptive_draft_length else None
     policy = DraftLengthPolicy(num_draft_tokens, adaptive=adaptive_draft_length, learned=learned)
     progress = prompt_progress_callback or (lambda done, total: None)
+    has_draft_cache = draft_model is not None or mtp
+
+    def write_back() -> None:  # the parts' entries into the list (KV quantization replaces them)
+        prompt_cache[:num_target] = target.cache
+        if has_draft_cache:
+            prompt_cache[num_target:] = drafter.cache
+
     if isinstance(prompt_cache, CheckpointedCache):  # the drafter feeds the list in parts: told once a chunk
-        progress = SnapshottingProgress(prompt_cache, progress)
+        snapshotting = SnapshottingProgress(prompt_cache, progress)
+
+        def progress(done: int, total: int) -> None:
+            write_back()
+            snapshotting(done, total)
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
     drafter.prefill(target, prompt, prefill_step_size, progress, quantize_kv)
@@ -448,9 +459,7 @@ def speculative_generate_step(
         raise
     finally:
         _finish_speculation(target, drafter, sequence[: num_prompt + num_yielded], clean_stop)
-        prompt_cache[:num_target] = target.cache  # entries quantized on the way
-        if draft_model is not None or mtp:
-            prompt_cache[num_target:] = drafter.cache
+        write_back()  # entries quantized on the way
 
 
 def _finish_speculation(target: CachedModel, drafter: Drafter, delivered: List[int], clean_stop: bool) -> None:

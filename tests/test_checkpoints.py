@@ -4,6 +4,8 @@ sliding window past its wrap): the resumed cache and its greedy continuation equ
 cold run bit for bit; trim_prompt_cache goes back to a snapshot and refuses elsewhere;
 the byte budget holds; the count survives generation or says it is lost."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -320,3 +322,33 @@ def test_speculation_takes_snapshots_target_and_draft_alike():
     assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
     assert_same_caches(got.prompt_cache, cold_cache)
 
+
+def test_speculation_with_a_quantized_kv_keeps_every_snapshot():
+    """With kv_bits the loop replaces the KV entries of the target's and the draft's
+    parts of the list by quantized ones; the list takes them back at every chunk, so
+    its snapshots see the entries being fed (before, they saw the float ones, frozen at
+    the first chunk, lost count and stopped at 64) and a resumed prompt answers as cold.
+    The demo pair: the tiny models' heads (16) are narrower than any quantization group."""
+    from mlx_lm import load
+
+    demo = Path(__file__).resolve().parent.parent / "examples" / "models"
+    model, draft = load(str(demo / "qwen3-next-stdlib"))[0], load(str(demo / "qwen3-draft-stdlib"))[0]
+    step, document = 64, tokens(5, 300)
+
+    def speculate(prompt_cache, prompt):
+        steps = speculative_generate_step(mx.array(prompt), model, draft, max_tokens=6, prompt_cache=prompt_cache,
+                                          prefill_step_size=step, kv_bits=8, quantized_kv_start=0)
+        return [(t, lp) for t, lp, _ in steps]
+
+    lru = LRUPromptCache()
+    first = lru.checkpointed(make_prompt_cache(model) + make_prompt_cache(draft), step)
+    lru.insert(document + [t for t, _ in speculate(first, document)], first)
+    assert first.positions() == [64, 128, 192, 256]
+    assert any(type(entry).__name__ == "QuantizedKVCache" for entry in first)
+    prompt = document[:200] + tokens(6, 20)
+    got = lru.fetch(prompt)
+    assert got.num_cached == 192
+    resumed = speculate(got.prompt_cache, got.remaining)
+    cold = speculate(lru.checkpointed(make_prompt_cache(model) + make_prompt_cache(draft), step), prompt)
+    assert [t for t, _ in resumed] == [t for t, _ in cold]
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
