@@ -18,13 +18,30 @@ from mlx_lm.generate import main as generate_main
 from mlx_lm.models import pipeline
 from mlx_lm.utils import get_model_classes, sharded_load
 from ranks import ROOT, run_ranks
+from test_deepseek_v2 import FAMILY as DEEPSEEK_V2
+from test_deepseek_v3 import FAMILY as DEEPSEEK_V3
+from test_glm4_moe import FAMILY as GLM4_MOE
+from test_ministral3 import FAMILY as MINISTRAL3
+from test_qwen3_moe import TINY_MOE
 
 WORKER = str(ROOT / "tests" / "pipeline_worker.py")
 # Longer than two prefill chunks of PREFILL_STEP_SIZE.
 PROMPT = [5, 9, 33, 7, 100, 3, 5, 9, 33, 7, 12, 40, 41, 5, 9, 33, 8, 2]
 PREFILL_STEP_SIZE = 5
-# Family -> tiny config, each with more than one layer per rank.
-CONFIGS = {"qwen3_next": TINY_CONFIGS["qwen3_next"]}
+HYBRID_TEXT = dict(TINY_CONFIGS["qwen3_next"], model_type="qwen3_5_text", num_experts=0)
+# Model type -> tiny config of 3 or 4 layers: rank 0 holds two, rank 1 one or two (with
+# first_k_dense_replace=1 and mlp_only_layers=[1], dense and MoE layers on both).
+CONFIGS = {
+    "qwen3_next": TINY_CONFIGS["qwen3_next"],
+    "llama": dict(TINY_CONFIGS["llama"], num_hidden_layers=3),
+    "qwen2": dict(TINY_CONFIGS["llama"], model_type="qwen2", num_hidden_layers=3),
+    "qwen3_moe": TINY_MOE,
+    "deepseek_v3": dict(DEEPSEEK_V3.tiny, num_hidden_layers=3),
+    "glm4_moe": dict(GLM4_MOE.tiny, num_hidden_layers=3, first_k_dense_replace=1),
+    "qwen3_5": {"model_type": "qwen3_5", "text_config": HYBRID_TEXT, "vocab_size": HYBRID_TEXT["vocab_size"]},
+    "ministral3": dict(MINISTRAL3.tiny, num_hidden_layers=3),
+    "deepseek_v2": dict(DEEPSEEK_V2.tiny, num_hidden_layers=3),
+}
 
 
 def FakeGroup(size, rank):
@@ -66,24 +83,23 @@ def tiny_model(family):
 @pytest.mark.parametrize("family", CONFIGS)
 def test_a_rank_keeps_only_its_layers_and_their_caches(family):
     model = tiny_model(family)
-    held = model.layers[:2]
+    first = model.layers[: len(model.layers) // 2]  # rank 1's: the first layers, the smaller half
     model.model.pipeline(FakeGroup(2, 1))
-    assert model.layers == held and len(model.make_cache()) == 2
+    assert [id(l) for l in model.layers] == [id(l) for l in first] and len(model.make_cache()) == len(first)
     with pytest.raises(ValueError, match="already pipelined over 2 ranks"):
         model.model.pipeline(FakeGroup(2, 1))
 
 
-def test_every_listed_family_takes_a_pipeline():
-    for family in CONFIGS:
-        assert family in pipeline.FAMILIES
-        assert isinstance(tiny_model(family).model, pipeline.PipelineMixin), family
+def test_every_listed_family_takes_a_pipeline_and_runs_on_two_ranks_below():
     assert set(CONFIGS) == set(pipeline.FAMILIES)
+    for family in CONFIGS:
+        assert isinstance(pipeline.pipelined_backbone(tiny_model(family), family), pipeline.PipelineMixin), family
 
 
 def test_an_unsupported_family_is_a_clear_error(tmp_path):
     directory = write_checkpoint(tmp_path / "gpt_oss", TINY_CONFIGS["gpt_oss"])
     with pytest.raises(ValueError, match=r"model type 'gpt_oss' does not support pipeline parallelism; "
-                                         r"supported: qwen3_next"):
+                                         r"supported: qwen3_next, llama, qwen2, "):
         sharded_load(str(directory), pipeline_group=FakeGroup(2, 0))
 
 
@@ -119,10 +135,10 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
             assert got["speculative"] == got["one_process"], family
             assert got["logit_differences"] == [0.0, 0.0], family  # each layer runs once, on the same inputs
             assert got["rewound_difference"] == 0.0, family
-        layers = CONFIGS[family]["num_hidden_layers"]
-        held = [per_rank[r][family]["held_layers"] for r in (0, 1)]
-        assert [h[0] for h in held] == [layers - layers // 2, layers // 2], family
-        assert all(h[1] == h[0] and h[2] == layers for h in held), family
+        held = [per_rank[r][family]["held_layers"] for r in (0, 1)]  # [held, cache entries, whole model's]
+        layers = held[0][2]
+        assert layers in (3, 4) and [h[0] for h in held] == [layers - layers // 2, layers // 2], family
+        assert all(h[1] == h[0] for h in held), family
     single = io.StringIO()
     with contextlib.redirect_stdout(single):
         generate_main(cli_args(checkpoints))

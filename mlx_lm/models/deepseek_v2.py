@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama, sharding
+from . import llama, pipeline, sharding
 from .base import BaseModelArgs, run_hybrid_layers
 from .cache import KVCache
 from .llama import MLP
@@ -232,7 +232,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(pipeline.PipelineMixin, nn.Module):
     moe_class = MoE  # deepseek_v3 swaps in its sigmoid router
 
     def __init__(self, args: ModelArgs):
@@ -249,7 +249,8 @@ class DeepseekV2Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None,
                  input_embeddings: Optional[mx.array] = None) -> mx.array:
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings  # (B, L, hidden)
-        return self.norm(run_hybrid_layers(h, self.layers, cache, 0))  # every layer attends: one mask
+        h = run_hybrid_layers(pipeline.receive(h, self.stage), self.layers, cache, 0)  # every layer attends: one mask
+        return self.norm(pipeline.send_and_share(h, self.stage, cache))
 
 
 class Model(llama.Model):

@@ -28,7 +28,7 @@ from .base import (
     create_attention_mask,
     scaled_dot_product_attention,
 )
-from . import sharding
+from . import pipeline, sharding
 from .cache import KVCache, RotatingKVCache
 from .rope_utils import initialize_rope, resolve_rope
 
@@ -150,7 +150,7 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(pipeline.PipelineMixin, nn.Module):
     block_class = TransformerBlock  # families with another block (phi3) swap it
 
     def __init__(self, args: ModelArgs):
@@ -164,12 +164,13 @@ class LlamaModel(nn.Module):
         self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None
     ) -> mx.array:
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings  # (B, L, hidden)
+        h = pipeline.receive(h, self.stage)
         if cache is None:
             cache = [None] * len(self.layers)
         masks = masks_by_layer_type(h, self.layers, cache, self.sliding_window)
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, masks[layer.layer_type], layer_cache)
-        return self.norm(h)
+        return self.norm(pipeline.send_and_share(h, self.stage, cache))
 
 
 def masks_by_layer_type(

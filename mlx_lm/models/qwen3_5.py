@@ -156,6 +156,11 @@ class Model(nn.Module):
         return {"language_model." + k: v for k, v in text.items()}
 
     @property
+    def model(self) -> qwen3_next.TextModel:
+        """The text backbone (upstream's name: `model.model.pipeline(group)`)."""
+        return self.language_model.model
+
+    @property
     def layers(self) -> List[qwen3_next.DecoderLayer]:
         return self.language_model.layers
 
