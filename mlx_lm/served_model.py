@@ -86,14 +86,16 @@ class ServedModel:
     def __init__(self, path: str, draft_path: Optional[str], cache_size: int, cache_bytes: Optional[int],
                  chat_template: Optional[str] = None, max_prompt_tokens: Optional[int] = None,
                  dtype: Optional[str] = None, mtp: bool = False, group: Optional[mx.distributed.Group] = None,
-                 load_options: Optional[Dict[str, Any]] = None):
+                 load_options: Optional[Dict[str, Any]] = None, pipeline: bool = False):
+        from .distributed import split_groups
         from .utils import load, sharded_load
 
         options = load_options or {}  # utils.load's adapter_path, trust_remote_code (the server's flags)
 
         self.name = path
-        if group is not None and group.size() > 1:  # tensor parallel (distributed_serving.py)
-            self.model, self.tokenizer, config = sharded_load(path, tensor_group=group, return_config=True, dtype=dtype,
+        if group is not None and group.size() > 1:  # tensor or pipeline parallel (distributed_serving.py)
+            self.model, self.tokenizer, config = sharded_load(path, **split_groups(group, pipeline), return_config=True,
+                                                              dtype=dtype,
                                                               trust_remote_code=options.get("trust_remote_code", False))
         else:
             self.model, self.tokenizer, config = load(path, return_config=True, dtype=dtype, **options)
@@ -333,9 +335,10 @@ class ModelProvider:
     def __init__(self, model_path: str, draft_path: Optional[str], allow_other_models: bool,
                  cache_size: int, cache_bytes: Optional[int], chat_template: Optional[str],
                  max_prompt_tokens: Optional[int] = None, dtype: Optional[str] = None, *, mtp: bool = False,
-                 group: Optional[mx.distributed.Group] = None, load_options: Optional[Dict[str, Any]] = None):
+                 group: Optional[mx.distributed.Group] = None, load_options: Optional[Dict[str, Any]] = None,
+                 pipeline: bool = False):
         self.default = ServedModel(model_path, draft_path, cache_size, cache_bytes, chat_template, max_prompt_tokens,
-                                   dtype, mtp=mtp, group=group, load_options=load_options)
+                                   dtype, mtp=mtp, group=group, load_options=load_options, pipeline=pipeline)
         self.model_id = model_id(model_path)
         self.names = {model_path, self.model_id, Path(model_path).name, str(Path(model_path).expanduser().resolve()),
                       DEFAULT_MODEL_NAME}

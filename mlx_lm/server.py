@@ -99,9 +99,6 @@ from .utils import compute_dtype, parameter_dtypes
 
 log = logging.getLogger("mlx_lm.server")
 
-PIPELINE_REFUSED = ("--pipeline: pipeline-parallel loading is not supported here; under mlx.launch, run without "
-                    "it and the model is sharded tensor-parallel")
-
 
 # ---------------------------------------------------------------------------
 # HTTP.
@@ -241,8 +238,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-concurrency", type=positive_int, default=8,
                         help="Prompts prefilled together in the batch (upstream's flag)")
     parser.add_argument("--pipeline", action="store_true",
-                        help="Upstream's pipeline-parallel loading: refused (under mlx.launch the model is "
-                             "sharded tensor-parallel)")
+                        help="Under mlx.launch, split the model's layers across the ranks (pipeline parallel) "
+                             "instead of sharding every layer")
     parser.add_argument("--allowed-origins", default="",
                         help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
                              "server, or '*' for any; requests from other pages (they carry an Origin header) "
@@ -312,7 +309,8 @@ def make_provider(args: argparse.Namespace, group: mx.distributed.Group) -> Serv
     load_options = {"adapter_path": args.adapter_path, "trust_remote_code": args.trust_remote_code}
     provider = ServingModelProvider(args.model, args.draft_model, args.allow_other_models, args.prompt_cache_size,
                                     args.prompt_cache_bytes, args.chat_template or None, args.max_prompt_tokens,
-                                    args.dtype, mtp=args.mtp, group=group, load_options=load_options)
+                                    args.dtype, mtp=args.mtp, group=group, pipeline=args.pipeline,
+                                    load_options=load_options)
     if args.use_default_chat_template:
         use_default_chat_template(provider.default.tokenizer)
     return provider
@@ -343,8 +341,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     defaults = _check_defaults(parser, args)
     check_one_drafter(parser, args)
-    if args.pipeline:
-        parser.error(PIPELINE_REFUSED)
     origins = _parse_origins(parser, args.allowed_origins)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group = distributed.world()
@@ -368,6 +364,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(f"Error: {e}")
     if group.size() > 1:
         distributed_serving.agree_on_cache_bytes(server.provider, group)
+        log.info("%s parallel over %d ranks: %d decoder layers on rank 0", "Pipeline" if args.pipeline else "Tensor",
+                 group.size(), len(server.provider.default.model.layers))
     _log_limits(server.provider.default, args.max_prompt_tokens)
     log.info("Compute dtype: %s (%s)", parameter_dtypes(server.provider.default.model), compute_dtype(args.dtype)[1])
     line = blas_line()

@@ -2,7 +2,8 @@
 the layer split and its errors in one process; then, on 2 local ranks (ring backend,
 one launch: each costs seconds of imports), every supported family's pipelined greedy
 tokens, logits, rewound caches and speculation with a whole draft equal one process's,
-and mlx_lm.generate --pipeline prints what one process prints, on rank 0 only.
+mlx_lm.generate --pipeline prints what one process prints, on rank 0 only, and
+mlx_lm.server --pipeline answers as one process.
 """
 
 import contextlib
@@ -14,10 +15,12 @@ from types import SimpleNamespace
 import pytest
 
 from checkpoints import TINY_CONFIGS, write_checkpoint
+from mlx_lm.generate import generate
 from mlx_lm.generate import main as generate_main
 from mlx_lm.models import pipeline
-from mlx_lm.utils import get_model_classes, sharded_load
-from ranks import ROOT, run_ranks
+from mlx_lm.utils import get_model_classes, load, sharded_load
+from ranks import ROOT, run_ranks, start_ranks
+from test_distributed import post, wait_for_url
 from test_deepseek_v2 import FAMILY as DEEPSEEK_V2
 from test_deepseek_v3 import FAMILY as DEEPSEEK_V3
 from test_glm4_moe import FAMILY as GLM4_MOE
@@ -144,3 +147,21 @@ def test_two_ranks_match_one_process(checkpoints, tmp_path):
         generate_main(cli_args(checkpoints))
     assert (tmp_path / "cli0.txt").read_text() == single.getvalue() and single.getvalue().strip()
     assert (tmp_path / "cli1.txt").read_text() == ""
+
+
+def test_server_on_two_ranks_answers_as_one_process(checkpoints):
+    target, draft = checkpoints["qwen3_next"]
+    ranks = start_ranks([sys.executable, "-m", "mlx_lm.server", "--model", target, "--draft-model", draft,
+                         "--port", "0", "--pipeline", "--prefill-step-size", "2"])
+    body = {"prompt": "hello hello", "max_tokens": 10, "temperature": 0}
+    try:
+        url = wait_for_url(ranks)
+        replies = [post(url, "/v1/completions", body) for _ in range(2)]  # the second from the prompt cache
+    finally:
+        for p in ranks.processes:
+            p.kill()
+    assert [status for status, _ in replies] == [200, 200], replies
+    expected = generate(*load(target), "hello hello", max_tokens=10)
+    assert [json.loads(text)["choices"][0]["text"] for _, text in replies] == [expected, expected]
+    assert "Pipeline parallel over 2 ranks: 2 decoder layers on rank 0" in ranks.stderr(0)
+    assert "Serving" not in ranks.stderr(1)  # only rank 0 serves

@@ -168,11 +168,8 @@ def test_upstream_concurrency_flags():
     assert setup_arg_parser().parse_args(["--model", "m"]).prompt_concurrency == 8
 
 
-def test_pipeline_flag_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(["--model", "m", "--pipeline"])
-    assert exited.value.code == 2
-    assert "--pipeline: pipeline-parallel loading is not supported here" in capsys.readouterr().err
+def test_pipeline_flag_is_taken():  # what it does under mlx.launch: tests/test_pipeline.py
+    assert setup_arg_parser().parse_args(["--model", "m", "--pipeline"]).pipeline is True
 
 
 def test_prompt_concurrency_sizes_the_batch_prefill(tiny_model_dir):
