@@ -124,7 +124,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize-activations", "-qa", action="store_true",
                         help="Quantize each quantized layer's inputs as its weights are (nvfp4 and mxfp8 modes)")
     parser.add_argument("--pipeline", action="store_true",
-                        help="Upstream's pipeline-parallel loading: refused (not supported here)")
+                        help="Upstream's pipeline-parallel loading: refused (benchmark runs on one process)")
     parser.set_defaults(adapter_path=None)  # what load_with_speculation reads; no adapters here
     add_speculation_arguments(parser)
     add_dtype_argument(parser)
@@ -176,8 +176,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     check_speculation_arguments(parser, args)
     if args.pipeline:
-        parser.error("--pipeline: pipeline-parallel loading is not supported here (mlx_lm.benchmark runs on one "
-                     "process)")
+        parser.error("--pipeline: mlx_lm.benchmark runs on one process; under mlx.launch, mlx_lm.generate and "
+                     "mlx_lm.server take --pipeline")
     try:
         run(args)
     except (ValueError, FileNotFoundError) as e:

@@ -55,8 +55,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 3
 QUIT_COMMANDS = ("q", "exit")
 RESET_COMMAND = "r"
 HELP_COMMAND = "h"
-PIPELINE_REFUSED = ("pipeline-parallel loading is not supported here, and mlx_lm.chat runs on one process; "
-                    "under mlx.launch, mlx_lm.generate and mlx_lm.server shard the model tensor-parallel")
+PIPELINE_REFUSED = ("mlx_lm.chat runs on one process; under mlx.launch, mlx_lm.generate and mlx_lm.server "
+                    "take --pipeline")
 # Stands for an answer's content, to find the text the chat template puts before it.
 ANSWER_MARK = "<mlx_lm answer>"
 

@@ -123,7 +123,7 @@ def test_quantize_activations_applies_to_the_loaded_model(tiny_model_dir, monkey
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pipeline"], "--pipeline: pipeline-parallel loading is not supported here"),
+    (["--pipeline"], "--pipeline: mlx_lm.benchmark runs on one process"),
     (["--delay", "-1"], "argument --delay: expected a number of seconds >= 0, got '-1'"),
     (["-b", "0"], "argument --batch-size/-b: expected a positive integer, got 0"),
     (["-p", "0"], "argument --prompt-tokens/-p: expected a positive integer, got 0"),
