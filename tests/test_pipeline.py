@@ -31,12 +31,15 @@ WORKER = str(ROOT / "tests" / "pipeline_worker.py")
 # Longer than two prefill chunks of PREFILL_STEP_SIZE.
 PROMPT = [5, 9, 33, 7, 100, 3, 5, 9, 33, 7, 12, 40, 41, 5, 9, 33, 8, 2]
 PREFILL_STEP_SIZE = 5
-HYBRID_TEXT = dict(TINY_CONFIGS["qwen3_next"], model_type="qwen3_5_text", num_experts=0)
+# Three GDN layers, then attention: rank 1 (layers 0, 1) holds no attention, and sends
+# from a recurrent layer's cache.
+HYBRID_TEXT = dict(TINY_CONFIGS["qwen3_next"], model_type="qwen3_5_text", num_experts=0, full_attention_interval=4)
 # Model type -> tiny config of 3 or 4 layers: rank 0 holds two, rank 1 one or two (with
 # first_k_dense_replace=1 and mlp_only_layers=[1], dense and MoE layers on both).
 CONFIGS = {
     "qwen3_next": TINY_CONFIGS["qwen3_next"],
-    "llama": dict(TINY_CONFIGS["llama"], num_hidden_layers=3),
+    # Heads of 32: 8-bit KV caches quantize them in groups of 32.
+    "llama": dict(TINY_CONFIGS["llama"], num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1),
     "qwen2": dict(TINY_CONFIGS["llama"], model_type="qwen2", num_hidden_layers=3),
     "qwen3_moe": TINY_MOE,
     "deepseek_v3": dict(DEEPSEEK_V3.tiny, num_hidden_layers=3),
@@ -128,16 +131,20 @@ def cli_args(checkpoints):
 
 def test_two_ranks_match_one_process(checkpoints, tmp_path):
     spec = dict(out=str(tmp_path), prompt=PROMPT, max_tokens=10, prefill_step_size=PREFILL_STEP_SIZE,
-                families=checkpoints, cli=cli_args(checkpoints) + ["--pipeline"])
+                families=checkpoints, quantized_kv={"llama": 32}, cli=cli_args(checkpoints) + ["--pipeline"])
     ranks = run_ranks([sys.executable, WORKER, json.dumps(spec)], timeout=300)
     assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for family in CONFIGS:
         for got in (per_rank[0][family], per_rank[1][family]):
-            assert got["pipelined"] == got["one_process"], family
-            assert got["speculative"] == got["one_process"], family
+            for run in ("plain", "speculative", "bounded", "batched") + ("quantized_kv",) * (family == "llama"):
+                whole, pipelined = got[run]
+                assert pipelined == whole, (family, run)
             assert got["logit_differences"] == [0.0, 0.0], family  # each layer runs once, on the same inputs
             assert got["rewound_difference"] == 0.0, family
+            whole_bytes, rank_bytes, load_peak, other_layer = got["bytes"]
+            # Loading never held another rank's layer: this rank's weights and less than one more.
+            assert rank_bytes < whole_bytes and load_peak < rank_bytes + other_layer, (family, got["bytes"])
         held = [per_rank[r][family]["held_layers"] for r in (0, 1)]  # [held, cache entries, whole model's]
         layers = held[0][2]
         assert layers in (3, 4) and [h[0] for h in held] == [layers - layers // 2, layers // 2], family

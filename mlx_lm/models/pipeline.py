@@ -32,7 +32,7 @@ import mlx.nn as nn
 
 from .arrays_cache import ArraysCache
 from .batch_kv_cache import _AlignedKV
-from .cache import CacheList, KVCache
+from .cache import KVCache
 from .quantized_cache import QuantizedKVCache
 from .rotating_cache import RotatingKVCache
 
@@ -116,9 +116,7 @@ def send_and_share(h: mx.array, stage: Stage, cache: Optional[List[Any]]) -> mx.
 def tie_to_cache(entry: Any, dependency: mx.array) -> None:
     """Make one array that `entry.state` reads depend on `dependency`, in place, so
     evaluating the cache computes it; each cache layout keeps its arrays differently."""
-    if isinstance(entry, CacheList):
-        tie_to_cache(entry[0], dependency)
-    elif isinstance(entry, ArraysCache):
+    if isinstance(entry, ArraysCache):
         slot = next((i for i, a in enumerate(entry.cache) if a is not None), None)
         if slot is None:
             raise ValueError("pipeline: the last held layer's ArraysCache holds no state after a forward")
