@@ -10,10 +10,12 @@ through the caches), logits after a rewind (trim_prompt_cache while speculating)
 speculative tokens with the whole draft on every rank; plus the held layer count and
 parameter bytes. Written to out/rank<r>.json; then, given "cli", mlx_lm.generate's
 main(cli) with this rank's stdout in out/cli<r>.txt.
+With "victim" (a rank) and "config" (a qwen3_next config) instead: see `die`.
 """
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -103,7 +105,25 @@ def family_results(target_dir, draft_dir, spec, group):
     return results
 
 
+def die(spec, group):
+    """Rank spec["victim"] exits after the first pipelined forward; the other keeps
+    decoding inside distributed.fail_together, as mlx_lm.generate does."""
+    from mlx_lm.models import qwen3_next
+
+    model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(spec["config"]))
+    model.model.pipeline(group)
+    cache, tokens = model.make_cache(), mx.array(spec["prompt"])[None]
+    mx.eval(model(tokens, cache))
+    if group.rank() == spec["victim"]:
+        os._exit(3)
+    with distributed.fail_together(group):
+        for _ in range(100000):
+            mx.eval(model(tokens[:, :1], cache))
+
+
 def main(spec, group):
+    if spec.get("victim") is not None:
+        return die(spec, group)
     results = {name: family_results(*dirs, spec, group) for name, dirs in spec["families"].items()}
     Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(results))
     if spec.get("cli"):

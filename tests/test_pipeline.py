@@ -172,3 +172,14 @@ def test_server_on_two_ranks_answers_as_one_process(checkpoints):
     assert [json.loads(text)["choices"][0]["text"] for _, text in replies] == [expected, expected]
     assert "Pipeline parallel over 2 ranks: 2 decoder layers on rank 0" in ranks.stderr(0)
     assert "Serving" not in ranks.stderr(1)  # only rank 0 serves
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_dying_rank_ends_the_other_with_a_clear_error(victim):
+    """Rank 1 waits on rank 0 only in the gather, rank 0 on rank 1 in every receive."""
+    spec = dict(victim=victim, prompt=PROMPT, config=TINY_CONFIGS["qwen3_next"])
+    ranks = run_ranks([sys.executable, WORKER, json.dumps(spec)], timeout=60, stop_others_on_failure=False)
+    survivor = 1 - victim
+    assert ranks[victim].returncode == 3
+    assert ranks[survivor].returncode == 1, ranks[survivor].stderr[-2000:]  # by itself, not the timeout
+    assert f"Error: rank {survivor} of 2 stopped" in ranks[survivor].stderr
