@@ -502,9 +502,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 def run(args: argparse.Namespace) -> str:
     """Load the model (and draft) and generate as the parsed command line says.
 
-    Under mlx.launch (more than one rank) the target is sharded over all ranks, the
-    draft runs whole on each, the draft length is pinned to --num-draft-tokens (see
-    `distributed`) and only rank 0 prints."""
+    Under mlx.launch (more than one rank) the target is sharded over all ranks (split
+    by layers with --pipeline), the draft runs whole on each, the draft length is
+    pinned to --num-draft-tokens (see `distributed`) and only rank 0 prints."""
     from . import distributed
     from .cache_prompt import load_cached_prompt
     from .models.sharding import parameter_bytes

@@ -136,9 +136,9 @@ def tie_to_cache(entry: Any, dependency: mx.array) -> None:
 
 class PipelineMixin:
     """For a backbone (the inner model with `layers`): `pipeline(group)` keeps this
-    rank's layers; its __call__ wraps them in `receive` and `send_and_share`. A family
-    whose backbone caches facts about its layer list (a mask layer's index) recomputes
-    them in an override of `pipeline`."""
+    rank's layers; its __call__ wraps them in `receive` and `send_and_share`. Facts
+    about the layer list (which layer's cache makes the mask) are read from `layers`
+    at each call, never stored when it is built: pipelining changes the list."""
 
     stage = Stage(rank=0, size=1, start=0, end=0)  # not pipelined: no exchange (start, end unread)
 
