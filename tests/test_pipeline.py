@@ -125,7 +125,8 @@ def checkpoints(tmp_path_factory):
 
 
 def cli_args(checkpoints):
-    return ["--model", checkpoints["qwen3_next"][0], "-p", "hello hello", "-m", "12", "--verbose", "false",
+    target, draft = checkpoints["qwen3_next"]
+    return ["--model", target, "--draft-model", draft, "-p", "hello hello", "-m", "12", "--verbose", "false",
             "--ignore-chat-template", "--prefill-step-size", "2"]
 
 
