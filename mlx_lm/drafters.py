@@ -363,9 +363,13 @@ class MTPHead(Drafter):
         `feed_last_pair`: also the pair of the last token the target holds (a prompt
         cache filled for a later run that starts after the prompt, as the server's)."""
         tokens, total = prompt.tolist(), prompt.size
+        # Cut as the whole list is (a CheckpointedCache's message boundaries too), not its target part.
+        chunks = PrefillChunks(self.checkpoints if self.checkpoints is not None else self.target.cache,
+                               prefill_step_size)
+        first = self.target.num_fed
         while self.target.num_fed < total - 1:
             start = self.target.num_fed
-            end = start + PrefillChunks(self.target.cache, prefill_step_size).size(0, total - 1 - start)
+            end = start + chunks.size(start - first, total - 1 - start)
             self.target.forward(prompt[start:end])
             self._feed_pairs(tokens, end - 1)
             quantize_kv(self.target.cache)

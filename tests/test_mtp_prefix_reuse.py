@@ -81,6 +81,26 @@ def test_a_resumed_mtp_prompt_equals_a_cold_run(model, shared, resumed_at, sampl
     assert_same_caches(got.prompt_cache, cold_cache)
 
 
+def test_mtp_prefill_cuts_and_snapshots_at_message_boundaries(model):
+    """The head's loop cuts the prefill as the whole list is cut, message boundaries
+    included (before, it cut by its target part, which knows none: no snapshot at a
+    boundary, and a chat prompt resumed at the grid before it); a prompt resumed there
+    answers as a cold run."""
+    bounds = (13, 30)
+    lru = LRUPromptCache()
+    first = lru.checkpointed(fresh(model), STEP, message_boundaries=bounds)
+    generated, _ = speculate(model, first, PROMPT, max_tokens=3)
+    lru.insert(PROMPT + [t for t, _ in generated], first)
+    assert first.positions() == [8, 13, 16, 24, 30, 32, 40]
+    prompt = PROMPT[:31] + tokens(1, 12)
+    got = lru.fetch(prompt, message_boundaries=bounds)
+    assert got.num_cached == 30
+    resumed = speculate(model, got.prompt_cache, got.remaining)
+    cold_cache = lru.checkpointed(fresh(model), STEP, message_boundaries=bounds)
+    assert_same_runs(resumed, speculate(model, cold_cache, prompt))
+    assert_same_caches(got.prompt_cache, cold_cache)
+
+
 def test_without_the_kept_row_the_head_skips_a_pair(model):
     """What the kept hidden state is for: a resume that lacks it (as a plain list's)
     leaves the head a pair short, so its cache is not a cold run's (the tokens, the
