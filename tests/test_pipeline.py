@@ -1,9 +1,10 @@
 """Pipeline parallelism (models/pipeline.py, utils.sharded_load(pipeline_group=...)):
 the layer split and its errors in one process; then, on 2 local ranks (ring backend,
 one launch: each costs seconds of imports), every supported family's pipelined greedy
-tokens, logits, rewound caches and speculation with a whole draft equal one process's,
-mlx_lm.generate --pipeline prints what one process prints, on rank 0 only, and
-mlx_lm.server --pipeline answers as one process.
+tokens (chunked prefill, bounded and 8-bit KV caches, a batch, speculation with a whole
+draft), logits and rewound caches equal one process's, loading never holds another
+rank's layers, mlx_lm.generate --pipeline prints what one process prints (on rank 0
+only), mlx_lm.server --pipeline answers as one process, and a dying rank ends the other.
 """
 
 import contextlib
@@ -50,7 +51,7 @@ CONFIGS = {
 }
 
 
-def FakeGroup(size, rank):
+def fake_group(size, rank):
     """Rank and size only: enough to plan a split, never to exchange."""
     return SimpleNamespace(size=lambda: size, rank=lambda: rank)
 
@@ -61,7 +62,7 @@ def test_default_split_gives_the_low_ranks_the_remainder():
 
 
 def test_the_last_rank_holds_the_first_layers():
-    stages = [pipeline.plan_stage(5, FakeGroup(2, rank)) for rank in (0, 1)]
+    stages = [pipeline.plan_stage(5, fake_group(2, rank)) for rank in (0, 1)]
     assert [(s.start, s.end) for s in stages] == [(2, 5), (0, 2)]
     assert [(s.receives, s.sends) for s in stages] == [(True, False), (False, True)]
 
@@ -90,10 +91,10 @@ def tiny_model(family):
 def test_a_rank_keeps_only_its_layers_and_their_caches(family):
     model = tiny_model(family)
     first = model.layers[: len(model.layers) // 2]  # rank 1's: the first layers, the smaller half
-    model.model.pipeline(FakeGroup(2, 1))
+    model.model.pipeline(fake_group(2, 1))
     assert [id(l) for l in model.layers] == [id(l) for l in first] and len(model.make_cache()) == len(first)
     with pytest.raises(ValueError, match="already pipelined over 2 ranks"):
-        model.model.pipeline(FakeGroup(2, 1))
+        model.model.pipeline(fake_group(2, 1))
 
 
 def test_every_listed_family_takes_a_pipeline_and_runs_on_two_ranks_below():
@@ -106,12 +107,12 @@ def test_an_unsupported_family_is_a_clear_error(tmp_path):
     directory = write_checkpoint(tmp_path / "gpt_oss", TINY_CONFIGS["gpt_oss"])
     with pytest.raises(ValueError, match=r"model type 'gpt_oss' does not support pipeline parallelism; "
                                          r"supported: qwen3_next, llama, qwen2, "):
-        sharded_load(str(directory), pipeline_group=FakeGroup(2, 0))
+        sharded_load(str(directory), pipeline_group=fake_group(2, 0))
 
 
 def test_both_groups_at_once_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="pipeline_group or tensor_group, not both"):
-        sharded_load(str(tmp_path), pipeline_group=FakeGroup(2, 0), tensor_group=FakeGroup(2, 0))
+        sharded_load(str(tmp_path), pipeline_group=fake_group(2, 0), tensor_group=fake_group(2, 0))
 
 
 @pytest.fixture(scope="module")
