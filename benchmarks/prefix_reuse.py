@@ -72,7 +72,7 @@ from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
 from mlx_lm.feeding import DEFAULT_PREFILL_STEP_SIZE  # noqa: E402
 from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
-from mlx_lm.lru_prompt_cache import LRUPromptCache  # noqa: E402
+from mlx_lm.models.lru_prompt_cache import LRUPromptCache  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.served_model import default_prompt_cache_bytes  # noqa: E402
 from mlx_lm.utils import get_model_classes, load, load_model, parameter_dtypes  # noqa: E402

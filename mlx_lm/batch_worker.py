@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from .batching import BatchGenerator, PromptProgress, Response
 from .feeding import DEFAULT_PREFILL_STEP_SIZE
 from .generation_worker import GenerationWorker
-from .lru_prompt_cache import FetchResult
+from .models.lru_prompt_cache import FetchResult
 from .models.checkpoints import PrefillChunks
 from .openai_api import GenerationResult, RequestError, StopStringFilter, TokenLogprob
 from .served_model import Job, ModelProvider, ServedModel

@@ -17,7 +17,7 @@ leaves that to the model) is recorded without it, so that the conversation rende
 the model saw it. A cache that may not trim back (recurrent layers outside
 speculation, sliding windows) is also kept as it was at the end of each turn's prompt
 but its last token (a copy sharing its arrays until either is written, as the server
-keeps them: lru_prompt_cache); where the rendering differs, the next turn starts from
+keeps them: models/lru_prompt_cache.py); where the rendering differs, the next turn starts from
 that copy and feeds the rest of the conversation again.
 """
 
@@ -37,7 +37,7 @@ from .cli_args import DEFAULT_MODEL, HelpFormatter, RefusedOption, add_dtype_arg
 from .drafters import PromptLookup
 from .feeding import DEFAULT_PREFILL_STEP_SIZE, ids_within
 from .generate import GenerationResponse, check_same_tokenizer, stream_generate
-from .lru_prompt_cache import LRUPromptCache, copy_prompt_cache
+from .models.lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import KVCache, make_prompt_cache
 from .sample_utils import make_sampler
 from .tokenizer_utils import TokenizerWrapper

@@ -19,7 +19,7 @@ from .cli_args import DEFAULT_QUANTIZED_KV_START
 from .drafters import PromptLookup
 from .feeding import DEFAULT_PREFILL_STEP_SIZE, kv_quantizer
 from .generate import GenerationResponse, stream_generate
-from .lru_prompt_cache import FetchResult, copy_prompt_cache
+from .models.lru_prompt_cache import FetchResult, copy_prompt_cache
 from .metrics import Metrics
 from .openai_api import GenerationRequest, GenerationResult, RequestError, StopStringFilter, TokenLogprob
 from .sample_utils import make_logits_processors, make_sampler

@@ -20,7 +20,7 @@ import dataclasses
 import threading
 from typing import Any, Optional, Set, Tuple
 
-from .lru_prompt_cache import LRUPromptCache
+from .models.lru_prompt_cache import LRUPromptCache
 from .openai_api import DEFAULT_MODEL_NAME, GenerationRequest
 from .serving import FALLBACK_CONTEXT_LENGTH, ModelProvider, ServedModel, context_length, model_id
 from .serving import _always_trimmable  # ServedModel's own rule for which caches need prefix copies

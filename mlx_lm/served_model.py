@@ -14,7 +14,7 @@ import mlx.core as mx
 from .chat_output import ChatPlan, forced_call_prefix, plan_chat, template_tools
 from .drafters import DraftModel, MTPHead, check_mtp_head
 from .feeding import check_can_speculate, prefill
-from .lru_prompt_cache import LRUPromptCache
+from .models.lru_prompt_cache import LRUPromptCache
 from .models.cache import make_prompt_cache
 from .models.checkpoints import CheckpointedCache, PrefillChunks, SnapshottingProgress, always_trimmable
 from .openai_api import DEFAULT_MODEL_NAME, GenerationRequest, RequestError

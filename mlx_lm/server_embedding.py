@@ -62,7 +62,7 @@ from .embedded_requests import (
     responses,
     to_generation_request,
 )
-from .lru_prompt_cache import LRUPromptCache
+from .models.lru_prompt_cache import LRUPromptCache
 from .models.cache import check_kv_quantization
 from .openai_api import RequestError, ServerDefaults, parse_request
 from .provided_models import ProvidedModel, ProvidedModels

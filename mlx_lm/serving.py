@@ -32,7 +32,7 @@ each at a time, because `stream_generate` cannot cancel a draft prefill), and af
 every generated token; it then closes the generator, or stops prefilling, and stores
 the cache under exactly the tokens it holds (a retry of a long prompt resumes there).
 
-Prompt cache (`lru_prompt_cache.LRUPromptCache`). After `stream_generate` stops (EOS,
+Prompt cache (`models/lru_prompt_cache.LRUPromptCache`). After `stream_generate` stops (EOS,
 length, a stop string or a cancel) the cache holds the prompt plus every generated
 token it returned (for speculation: target and draft alike, rollback included), so
 the cache is stored under `prompt + generated tokens`. Caches that may become

@@ -13,7 +13,7 @@ from family_checks import fixture_model, noisy_model
 from test_lru_prompt_cache import flat_state as entry_state
 
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.lru_prompt_cache import LRUPromptCache
+from mlx_lm.models.lru_prompt_cache import LRUPromptCache
 from mlx_lm.models import checkpoints
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.models.checkpoints import (

@@ -18,7 +18,7 @@ from checkpoints import VOCAB_SIZE
 from family_checks import FIXTURES, PROMPT, Family, FamilyChecks, fixture_model, reference, relative_error
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_lm.lru_prompt_cache import copy_prompt_cache
+from mlx_lm.models.lru_prompt_cache import copy_prompt_cache
 from mlx_lm.models.batch_cache import extract_caches, merge_caches
 from mlx_lm.models.cache import (KVCache, RotatingKVCache, SharedKVReader, load_prompt_cache, make_prompt_cache,
                                  save_prompt_cache, trim_prompt_cache)

@@ -1,4 +1,4 @@
-"""lru_prompt_cache.py: copies independent of the stored entry for every cache class,
+"""models/lru_prompt_cache.py: copies independent of the stored entry for every cache class,
 the reuse rules (strict prefixes always, longer or diverging entries only when
 trimmable, one token always left to feed), eviction, and exact reuse with real models."""
 
@@ -8,7 +8,7 @@ import pytest
 from checkpoints import TINY_CONFIGS, write_checkpoint
 
 from mlx_lm.generate import generate_step
-from mlx_lm.lru_prompt_cache import LRUPromptCache, common_prefix_length, copy_prompt_cache
+from mlx_lm.models.lru_prompt_cache import LRUPromptCache, common_prefix_length, copy_prompt_cache
 from mlx_lm.models.checkpoints import CheckpointedCache, maybe_snapshot
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -337,3 +337,15 @@ def test_upstream_method_names():
     with pytest.raises(ValueError, match="cache_type must be one of assistant, user, system, got 'tool'"):
         lru.insert_cache("model-a", [5], kv_entry(1), cache_type="tool")
     assert lru.keys() == [(1, 2, 3)]
+
+
+def test_upstreams_import_of_it_from_models_cache_works_in_a_fresh_process():
+    """Upstream's home of LRUPromptCache is mlx_lm.models.cache; here it is registered
+    there by models/lru_prompt_cache.py (which builds on cache.py) when the models
+    package is imported, so the import works first thing in a process."""
+    import subprocess
+    import sys
+
+    code = ("from mlx_lm.models.cache import LRUPromptCache; from mlx_lm.server import LRUPromptCache as served; "
+            "import mlx_lm.models.lru_prompt_cache as m; assert LRUPromptCache is served is m.LRUPromptCache")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -543,7 +543,7 @@ def test_a_batch_row_continues_a_returned_cache(checkpoints):
     continuation of one token or several: the tokens plain decoding gives from the same
     cache, the head still drafting (its pair at the cache's last token is unknown)."""
     from mlx_lm.batching import BatchGenerator
-    from mlx_lm.lru_prompt_cache import copy_prompt_cache
+    from mlx_lm.models.lru_prompt_cache import copy_prompt_cache
 
     model = load_family(checkpoints, "qwen3_next")
     generator = BatchGenerator(model, mtp=True, num_draft_tokens=2, fixed_draft_length=True,

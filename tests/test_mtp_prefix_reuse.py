@@ -16,7 +16,7 @@ from test_prompt_cache_reuse import answer
 
 from mlx_lm.drafters import MTPHead
 from mlx_lm.generate import SpeculationStats, speculative_generate_step
-from mlx_lm.lru_prompt_cache import LRUPromptCache
+from mlx_lm.models.lru_prompt_cache import LRUPromptCache
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.models.checkpoint_files import load_checkpointed, save_checkpointed
 from mlx_lm.models.checkpoints import CheckpointedCache, SnapshottingProgress

@@ -13,8 +13,8 @@ the forwards they took part in, and `trim(n)` rewinds through it exactly.
 Upstream's other names live here too, some re-exported: ArraysCache (arrays_cache.py),
 QuantizedKVCache (quantized_cache.py), RotatingKVCache and ChunkedKVCache
 (rotating_cache.py), the batched classes (batch_cache.py), PromptTrie (prompt_trie.py),
-TokenBuffer, create_attention_mask and dynamic_roll. (Upstream's LRUPromptCache is
-mlx_lm.lru_prompt_cache's: it sits above the models, which import nothing of it.)
+TokenBuffer, create_attention_mask, dynamic_roll and LRUPromptCache (lru_prompt_cache.py,
+which builds on checkpoints.py and so on this module: it registers itself).
 """
 
 from typing import Any, List, Optional, Sequence
@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .arrays_cache import ArraysCache
 from .cache_base import (  # noqa: F401  (create_attention_mask, dynamic_roll: upstream's home)
-    BATCH_CLASSES, ROLLBACK_WINDOW, _AppendOnlyCache, _BaseCache, _grow, create_attention_mask,
+    BATCH_CLASSES, LATE_NAMES, ROLLBACK_WINDOW, _AppendOnlyCache, _BaseCache, _grow, create_attention_mask,
     dynamic_roll, grown_capacity,
 )
 from .cache_files import read_cache_file, write_cache_file
@@ -465,8 +465,11 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False):
 
 
 def __getattr__(name: str):
-    """Upstream's batched class names (BatchKVCache, BatchRotatingKVCache, ...)."""
+    """Upstream's batched class names (BatchKVCache, BatchRotatingKVCache, ...) and
+    LRUPromptCache (registered in cache_base by the modules defining them)."""
     for cls in BATCH_CLASSES.values():
         if cls.__name__ == name:
             return cls
+    if name in LATE_NAMES:
+        return LATE_NAMES[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

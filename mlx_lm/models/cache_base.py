@@ -232,6 +232,9 @@ class _AppendOnlyCache(_BaseCache):
 # `from mlx_lm.models.cache import BatchKVCache` reach them through the registry.
 
 BATCH_CLASSES: Dict[type, type] = {}  # exact cache class -> the class holding its rows
+# Upstream names of models/cache.py defined by modules that build on it (LRUPromptCache,
+# models/lru_prompt_cache.py), registered by them as the models package imports them.
+LATE_NAMES: Dict[str, Any] = {}
 
 
 def int_list(values) -> List[int]:

@@ -40,8 +40,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .models.cache import can_trim_prompt_cache, trim_prompt_cache
-from .models.checkpoints import CheckpointedCache, Snapshot, always_trimmable, check_message_boundaries, copy_entry
+from .cache import can_trim_prompt_cache, trim_prompt_cache
+from .cache_base import LATE_NAMES
+from .checkpoints import CheckpointedCache, Snapshot, always_trimmable, check_message_boundaries, copy_entry
 
 # Upstream's cache types (LRUPromptCache.insert_cache), which stats_by_type reports.
 CACHE_TYPES = ("assistant", "user", "system")
@@ -281,3 +282,6 @@ class LRUPromptCache:
             stats[entry.cache_type]["n_sequences"] += 1
             stats[entry.cache_type]["n_bytes"] += entry.nbytes + sum(s.nbytes for s in entry.snapshots())
         return stats
+
+
+LATE_NAMES["LRUPromptCache"] = LRUPromptCache  # upstream's `from mlx_lm.models.cache import LRUPromptCache`
