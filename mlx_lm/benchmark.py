@@ -10,17 +10,22 @@ generation speeds. With `--batch-size` B > 1 a trial is one batch_generate of B 
 prompts (speculating inside the batch with a drafter), and the rows report the batch's
 speeds (upstream's). `--delay` sleeps that many seconds before each trial (to let a
 machine cool, as upstream's).
+
+Under mlx.launch (more than one rank) the model is sharded over all ranks (split by
+layers with --pipeline; see `distributed`), every rank runs the same trials on the same
+prompts (rank 0's seed) and only rank 0 prints.
 """
 
 import argparse
 import math
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import distributed
 from .chat import add_speculation_arguments, check_speculation_arguments, load_with_speculation
 from .batching import batch_generate
 from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int
@@ -123,16 +128,23 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Seconds to wait before each timed trial")
     parser.add_argument("--quantize-activations", "-qa", action="store_true",
                         help="Quantize each quantized layer's inputs as its weights are (nvfp4 and mxfp8 modes)")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="Upstream's pipeline-parallel loading: refused (benchmark runs on one process)")
+    parser.add_argument("--pipeline", action="store_true", help="Under mlx.launch, split the model's layers "
+                        "across the ranks (pipeline parallel) instead of sharding every layer")
     parser.set_defaults(adapter_path=None)  # what load_with_speculation reads; no adapters here
     add_speculation_arguments(parser)
     add_dtype_argument(parser)
     return parser
 
 
-def run(args: argparse.Namespace) -> None:
-    model, tokenizer, speculation = load_with_speculation(args)
+def silent(*args: Any, **kwargs: Any) -> None:
+    """print on a rank other than 0."""
+
+
+def run(args: argparse.Namespace, group: mx.distributed.Group) -> None:
+    say: Callable[..., None] = print if group.rank() == 0 else silent
+    model, tokenizer, speculation = load_with_speculation(args, group)
+    if group.size() > 1:
+        say(distributed.split_line(model, group, args.pipeline))
     if args.quantize_activations:
         quantize_activations(model)
     tokenizer.eos_token_ids = set()  # every trial generates all --generation-tokens
@@ -149,37 +161,40 @@ def run(args: argparse.Namespace) -> None:
     def trial() -> Dict[str, Dict[str, float]]:
         return {label: measure(kwargs) for label, kwargs in configurations.items()}
 
-    print("Running warmup..")
+    say("Running warmup..")
     trial()
     timing = f"Timing with prompt_tokens={args.prompt_tokens}, generation_tokens={args.generation_tokens}"
     if args.batch_size > 1:
         timing += f", batch_size={args.batch_size}"
     for key, value in speculation.items():
         timing += f", {key}={args.draft_model if key == 'draft_model' else value}"
-    print(timing + ".")
+    say(timing + ".")
     trials = []
     for i in range(args.num_trials):
         time.sleep(args.delay)
         trials.append(trial())
         for label, values in trials[-1].items():
-            print(f"Trial {i + 1}:  {label + ': ' if label else ''}{format_row(values)}")
+            say(f"Trial {i + 1}:  {label + ': ' if label else ''}{format_row(values)}")
     averages = {label: average([t[label] for t in trials]) for label in configurations}
     for label, values in averages.items():
-        print(f"Averages: {label + ': ' if label else ''}{format_row(values)}")
+        say(f"Averages: {label + ': ' if label else ''}{format_row(values)}")
     if speculation:
         ratio = averages["speculative"]["generation_tps"] / averages["plain"]["generation_tps"]
-        print(f"Speculative / plain generation_tps: {ratio:.3f}")
+        say(f"Speculative / plain generation_tps: {ratio:.3f}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     check_speculation_arguments(parser, args)
-    if args.pipeline:
-        parser.error("--pipeline: mlx_lm.benchmark runs on one process; under mlx.launch, mlx_lm.generate and "
-                     "mlx_lm.server take --pipeline")
+    group = distributed.world()
     try:
-        run(args)
+        with distributed.fail_together(group):
+            if group.size() > 1:  # the same prompts on every rank
+                args.seed = distributed.shared_seed(args.seed, group)
+            run(args, group)
+            if group.size() > 1:
+                distributed.wait_for_all(group)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"Error: {e}")
 

@@ -32,6 +32,7 @@ from typing import Any, Dict, Generator, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import distributed
 from .cache_prompt import fill_cache
 from .cli_args import DEFAULT_MODEL, HelpFormatter, RefusedOption, add_dtype_argument, positive_int, str2bool
 from .drafters import PromptLookup
@@ -41,7 +42,7 @@ from .models.lru_prompt_cache import LRUPromptCache, copy_prompt_cache
 from .models.cache import KVCache, make_prompt_cache
 from .sample_utils import make_sampler
 from .tokenizer_utils import TokenizerWrapper
-from .utils import load
+from .utils import load, sharded_load
 
 DEFAULT_TEMP = 0.0
 DEFAULT_TOP_P = 1.0
@@ -80,11 +81,26 @@ def check_speculation_arguments(parser: argparse.ArgumentParser, args: argparse.
         parser.error(f"--num-draft-tokens {args.num_draft_tokens} needs --draft-model or --prompt-lookup")
 
 
-def load_with_speculation(args: argparse.Namespace) -> Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]:
+def load_with_speculation(
+    args: argparse.Namespace, group: Optional[mx.distributed.Group] = None
+) -> Tuple[nn.Module, TokenizerWrapper, Dict[str, Any]]:
     """Load --model and what speculation needs: (model, tokenizer, the keyword
-    arguments of stream_generate that select speculation, empty without it)."""
-    model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype,
-                            trust_remote_code=args.trust_remote_code)
+    arguments of stream_generate that select speculation, empty without it).
+
+    Over a `group` of more than one rank (mlx.launch) --model is sharded (split by
+    layers with --pipeline), the draft loads whole on each rank and drafts a pinned
+    number of tokens per round (see `distributed`)."""
+    distributed_run = group is not None and group.size() > 1
+    if distributed_run:
+        if args.adapter_path is not None:
+            raise ValueError(f"--adapter-path {args.adapter_path!r}: adapters are not sharded; under mlx.launch "
+                             "fuse them first (mlx_lm.fuse) and give the fused model")
+        tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else None
+        model, tokenizer = sharded_load(args.model, **distributed.split_groups(group, args.pipeline),
+                                        dtype=args.dtype, tokenizer_config=tokenizer_config)
+    else:
+        model, tokenizer = load(args.model, adapter_path=args.adapter_path, dtype=args.dtype,
+                                trust_remote_code=args.trust_remote_code)
     speculation: Dict[str, Any] = {}
     if args.draft_model is not None:
         draft_model, draft_tokenizer = load(args.draft_model, dtype=args.dtype,
@@ -94,6 +110,8 @@ def load_with_speculation(args: argparse.Namespace) -> Tuple[nn.Module, Tokenize
                            num_draft_tokens=args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
     if args.prompt_lookup:
         speculation.update(prompt_lookup=True, num_draft_tokens=args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
+    if speculation and distributed_run:  # the adaptive policy times rounds on each rank's clock
+        speculation["adaptive_draft_length"] = False
     return model, tokenizer, speculation
 
 

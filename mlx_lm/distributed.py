@@ -85,3 +85,11 @@ def fail_together(group: mx.distributed.Group) -> Iterator[None]:
             f"Error: rank {group.rank()} of {group.size()} stopped: {e}. Another rank probably "
             "failed or was stopped (see its output); every rank must run the same command"
         )
+
+
+def split_line(model: Any, group: mx.distributed.Group, pipeline: bool) -> str:
+    """What a command prints (on rank 0) about how the model is split across the ranks."""
+    from .models.sharding import parameter_bytes
+
+    return (f"{'Pipeline' if pipeline else 'Tensor'} parallel over {group.size()} ranks: "
+            f"{parameter_bytes(model) / 1e9:.3f} GB of weights on rank 0")

@@ -1,4 +1,5 @@
-"""mlx_lm.benchmark: the rows it prints, plain and speculative, and its usage errors."""
+"""mlx_lm.benchmark: the rows it prints, plain and speculative, and its usage errors; on
+2 local ranks (tensor parallel and --pipeline) rank 0 alone prints one table."""
 
 import json
 import math
@@ -12,6 +13,7 @@ from checkpoints import TINY_CONFIGS, write_checkpoint
 from mlx_lm import load, stream_generate
 from mlx_lm import benchmark
 from mlx_lm.benchmark import main, random_prompt, random_prompts
+from ranks import run_ranks
 
 ROW = re.compile(r"^(Trial \d+|Averages):  ?(?:(plain|speculative): )?(.*)$")
 
@@ -123,7 +125,6 @@ def test_quantize_activations_applies_to_the_loaded_model(tiny_model_dir, monkey
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pipeline"], "--pipeline: mlx_lm.benchmark runs on one process"),
     (["--delay", "-1"], "argument --delay: expected a number of seconds >= 0, got '-1'"),
     (["-b", "0"], "argument --batch-size/-b: expected a positive integer, got 0"),
     (["-p", "0"], "argument --prompt-tokens/-p: expected a positive integer, got 0"),
@@ -149,3 +150,23 @@ def test_mlx_lm_benchmark_dispatches_here(monkeypatch, capsys):
 def test_a_missing_model_is_an_error_naming_it(tmp_path):
     with pytest.raises(SystemExit, match=f"^Error: Model path '{tmp_path / 'none'}' does not exist"):
         main(["--model", str(tmp_path / "none"), "-p", "4", "-g", "2", "-n", "1"])
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_two_ranks_print_one_table_from_rank_0(split, tiny_llama_dir, tmp_path):
+    """With a draft under --pipeline (pinned draft length on every rank), plain with tensor parallel."""
+    extra = ["--pipeline", "--draft-model", str(write_checkpoint(tmp_path / "draft", TINY_CONFIGS["llama"], seed=1,
+                                                                  noise=0.02))] if split == "pipeline" else []
+    ranks = run_ranks([sys.executable, "-m", "mlx_lm.benchmark", "--model", str(tiny_llama_dir), "-p", "8", "-g", "4",
+                       "-n", "2", *extra], timeout=180)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    assert ranks[1].stdout == ""
+    out = ranks[0].stdout
+    assert out.startswith(f"{split.capitalize()} parallel over 2 ranks: ") and "Running warmup..\n" in out
+    labels = ["plain", "speculative"] if extra else [None]
+    rows = parse_rows(out)
+    assert sorted(rows) == sorted((name, label) for name in ("Averages", "Trial 1", "Trial 2") for label in labels)
+    for values in rows.values():
+        check_plausible(values)
+    if extra:
+        assert "adaptive_draft_length=False." in out and "Speculative / plain generation_tps: " in out
