@@ -20,7 +20,7 @@ import argparse
 import math
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -136,12 +136,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def silent(*args: Any, **kwargs: Any) -> None:
-    """print on a rank other than 0."""
-
-
 def run(args: argparse.Namespace, group: mx.distributed.Group) -> None:
-    say: Callable[..., None] = print if group.rank() == 0 else silent
+    say = distributed.printer(group)
     model, tokenizer, speculation = load_with_speculation(args, group)
     if group.size() > 1:
         say(distributed.split_line(model, group, args.pipeline))

@@ -19,6 +19,11 @@ speculation, sliding windows) is also kept as it was at the end of each turn's p
 but its last token (a copy sharing its arrays until either is written, as the server
 keeps them: models/lru_prompt_cache.py); where the rendering differs, the next turn starts from
 that copy and feeds the rest of the conversation again.
+
+Under mlx.launch (more than one rank) the model is sharded over all ranks (split by
+layers with --pipeline; a draft runs whole on each, drafting a pinned number of tokens:
+see `distributed`); rank 0 reads each line and broadcasts it, so every rank runs the
+same turns and commands on its shard of the caches, and only rank 0 prints.
 """
 
 import argparse
@@ -27,14 +32,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Generator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import distributed
 from .cache_prompt import fill_cache
-from .cli_args import DEFAULT_MODEL, HelpFormatter, RefusedOption, add_dtype_argument, positive_int, str2bool
+from .cli_args import DEFAULT_MODEL, HelpFormatter, add_dtype_argument, positive_int, str2bool
 from .drafters import PromptLookup
 from .feeding import DEFAULT_PREFILL_STEP_SIZE, ids_within
 from .generate import GenerationResponse, check_same_tokenizer, stream_generate
@@ -56,8 +61,6 @@ DEFAULT_NUM_DRAFT_TOKENS = 3
 QUIT_COMMANDS = ("q", "exit")
 RESET_COMMAND = "r"
 HELP_COMMAND = "h"
-PIPELINE_REFUSED = ("mlx_lm.chat runs on one process; under mlx.launch, mlx_lm.generate and mlx_lm.server "
-                    "take --pipeline")
 # Stands for an answer's content, to find the text the chat template puts before it.
 ANSWER_MARK = "<mlx_lm answer>"
 
@@ -293,17 +296,31 @@ def format_turn_stats(response: GenerationResponse, turn: TurnStats) -> str:
     return line + "]"
 
 
-def print_commands() -> None:
-    print("Commands: 'q' or 'exit' ends the chat, 'r' starts a new one, 'h' shows this list.")
+def print_commands(say: Callable[..., None] = print) -> None:
+    say("Commands: 'q' or 'exit' ends the chat, 'r' starts a new one, 'h' shows this list.")
 
 
-def chat_loop(session: ChatSession, verbose: bool) -> None:
-    """Answer the lines of stdin until the input ends or a quit command."""
-    while True:
+def read_line(group: mx.distributed.Group) -> Optional[str]:
+    """The next line of stdin as rank 0 reads it, on every rank of `group` (None: the
+    input ended), so every rank runs the same command or turn."""
+    line = None
+    if group.rank() == 0:
         try:
             line = input(">> ")
         except EOFError:
             print()
+    return line if group.size() == 1 else distributed.broadcast_object(line, group)
+
+
+def chat_loop(session: ChatSession, verbose: bool, group: Optional[mx.distributed.Group] = None) -> None:
+    """Answer the lines of stdin until the input ends or a quit command. Over a `group`
+    of ranks (mlx.launch; default: the global group) rank 0 reads them, every rank
+    answers and rank 0 prints."""
+    group = distributed.world() if group is None else group
+    say = distributed.printer(group)
+    while True:
+        line = read_line(group)
+        if line is None:
             return
         query = line.strip()
         if not query:
@@ -312,20 +329,23 @@ def chat_loop(session: ChatSession, verbose: bool) -> None:
             return
         if query == RESET_COMMAND:
             session.reset()
-            print("[chat reset]")
+            say("[chat reset]")
             continue
         if query == HELP_COMMAND:
-            print_commands()
+            print_commands(say)
             continue
         try:
             for response in session.reply(line):
-                print(response.text, end="", flush=True)
+                say(response.text, end="", flush=True)
         except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat
+            if group.size() > 1:
+                raise SystemExit("Error: answer interrupted; under mlx.launch every rank must finish each "
+                                 "answer, so the chat ends") from None
             print("\n[answer interrupted; this turn is left out of the conversation]")
             continue
-        print()
+        say()
         if verbose:
-            print(format_turn_stats(response, session.last_turn))
+            say(format_turn_stats(response, session.last_turn))
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -352,8 +372,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="System prompt for the chat template: the text, or a file holding it")
     parser.add_argument("--verbose", type=str2bool, nargs="?", const=True, default=False,
                         help="After each answer print the prompt tokens fed and reused, speeds and memory")
-    parser.add_argument("--pipeline", nargs=0, action=RefusedOption, why=PIPELINE_REFUSED,
-                        help="Upstream's pipeline-parallel loading under mlx.launch: refused (chat runs on one process)")
+    parser.add_argument("--pipeline", action="store_true", help="Under mlx.launch, split the model's layers "
+                        "across the ranks (pipeline parallel) instead of sharding every layer")
     add_speculation_arguments(parser)
     add_dtype_argument(parser)
     return parser
@@ -363,26 +383,37 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     check_speculation_arguments(parser, args)
+    group = distributed.world()
+    try:
+        with distributed.fail_together(group):
+            if group.size() > 1:  # every rank samples from rank 0's seed
+                args.seed = distributed.shared_seed(args.seed, group)
+            run(args, group)
+            if group.size() > 1:
+                distributed.wait_for_all(group)
+    except (ValueError, FileNotFoundError) as e:  # e.g. a model whose caches cannot roll back, with a draft
+        sys.exit(f"Error: {e}")
+
+
+def run(args: argparse.Namespace, group: mx.distributed.Group) -> None:
+    """Load the model (and draft) and chat as the parsed command line says."""
     mx.random.seed(args.seed)
-    try:
-        model, tokenizer, speculation = load_with_speculation(args)
-        sampler = make_sampler(
-            args.temp, args.top_p, xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
-            xtc_special_tokens=tokenizer.encode("\n", add_special_tokens=False) + sorted(tokenizer.eos_token_ids),
-        )
-        session = ChatSession(
-            model, tokenizer, system_prompt=read_system_prompt(args.system_prompt), max_tokens=args.max_tokens,
-            max_kv_size=args.max_kv_size, generation_kwargs=dict(sampler=sampler, **speculation),
-            prefill_step_size=args.prefill_step_size,
-        )
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"Error: {e}")
-    print(f"[INFO] Chatting with {args.model}.")
-    print_commands()
-    try:
-        chat_loop(session, args.verbose)
-    except ValueError as e:  # e.g. a model whose caches cannot roll back, with --draft-model
-        sys.exit(f"Error: {e}")
+    model, tokenizer, speculation = load_with_speculation(args, group)
+    sampler = make_sampler(
+        args.temp, args.top_p, xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n", add_special_tokens=False) + sorted(tokenizer.eos_token_ids),
+    )
+    session = ChatSession(
+        model, tokenizer, system_prompt=read_system_prompt(args.system_prompt), max_tokens=args.max_tokens,
+        max_kv_size=args.max_kv_size, generation_kwargs=dict(sampler=sampler, **speculation),
+        prefill_step_size=args.prefill_step_size,
+    )
+    say = distributed.printer(group)
+    say(f"[INFO] Chatting with {args.model}.")
+    if group.size() > 1 and args.verbose:
+        say(distributed.split_line(model, group, args.pipeline))
+    print_commands(say)
+    chat_loop(session, args.verbose, group)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ waits forever (mlx.launch also stops the remaining ranks once one exits non-zero
 import contextlib
 import pickle
 import sys
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +40,15 @@ def split_groups(group: mx.distributed.Group, pipeline: bool) -> Dict[str, Optio
     """`utils.sharded_load`'s group arguments for a command's `--pipeline`: every rank
     a pipeline stage (a slice of the layers), else a tensor shard (a slice of each)."""
     return {"pipeline_group": group if pipeline else None, "tensor_group": None if pipeline else group}
+
+
+def printer(group: mx.distributed.Group) -> Callable[..., None]:
+    """`print` on rank 0; on the other ranks a function that prints nothing."""
+    return print if group.rank() == 0 else _print_nothing
+
+
+def _print_nothing(*args: Any, **kwargs: Any) -> None:
+    pass
 
 
 @on_generation_stream

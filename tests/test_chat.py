@@ -1,13 +1,16 @@
 """mlx_lm.chat: every answer is what a fresh run on the whole conversation gives (on
 the tokens fed, which decode to its rendering and keep earlier answers as generated),
 the cache is reused from turn to turn (only new tokens are fed), and a draft model
-changes nothing under greedy decoding."""
+changes nothing under greedy decoding. On 2 local ranks (tensor parallel, and --pipeline
+with a draft) rank 0 reads the input and prints what one process prints, resets
+included, and a rank that dies ends the chat with a clear error."""
 
 import io
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +22,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.chat import ChatSession, chat_loop, read_system_prompt
 from mlx_lm import tokenizer_utils
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from ranks import run_ranks, start_ranks
 
 MAX_TOKENS = 10
 TURNS = ["hello there", "tell me about the library"]
@@ -73,12 +77,21 @@ def conversation_cache(session):
     return key, session.stored.fetch(key + [EOS]).prompt_cache  # a strict prefix: not trimmed
 
 
+def chat_command(model_dir, *extra):
+    return [sys.executable, "-m", "mlx_lm.chat", "--model", str(model_dir), "--max-tokens", str(MAX_TOKENS), *extra]
+
+
+def rank_0_reads(path, command):
+    """`command` with rank 0's stdin from `path` (the others' stays empty: they never read it)."""
+    return ["sh", "-c", 'if [ "$MLX_RANK" = 0 ]; then exec "$@" < "$CHAT_INPUT"; else exec "$@"; fi', "sh",
+            *command], {"CHAT_INPUT": str(path), "PYTHONIOENCODING": "utf-8"}
+
+
 def run_chat(model_dir, stdin, *extra) -> str:
     """stdout of mlx_lm.chat, bytes decoded as they are (answers may hold a lone \\r)."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_lm.chat", "--model", str(model_dir), "--max-tokens", str(MAX_TOKENS), *extra],
-        input=stdin.encode(), capture_output=True, timeout=120, env=env,
+        chat_command(model_dir, *extra), input=stdin.encode(), capture_output=True, timeout=120, env=env,
     )
     assert result.returncode == 0, result.stderr.decode()
     return result.stdout.decode("utf-8")
@@ -398,3 +411,56 @@ def test_bad_flags_are_usage_errors_also_through_the_dispatcher(monkeypatch, cap
         with pytest.raises(SystemExit) as exited:
             cli.main(["chat", *argv])
         assert exited.value.code == 2 and f"mlx_lm.chat: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_two_ranks_answer_as_one_process(split, hybrid_dir, tmp_path):
+    """Two turns, a reset and the second turn again, on a hybrid (its caches kept at the
+    end of each prompt, too); with --pipeline also speculating with a draft."""
+    extra = ["--draft-model", str(write_checkpoint(tmp_path / "draft", TINY_CONFIGS["qwen3_next"], seed=2,
+                                                   noise=0.02))] if split == "pipeline" else []
+    stdin = f"{TURNS[0]}\n{TURNS[1]}\nr\n{TURNS[1]}\n"
+    single = run_chat(hybrid_dir, stdin, *extra)
+    answers = [line for line in single.split(">> ")[1:] if line.strip() and line != "[chat reset]\n"]
+    assert len(answers) == 3 and answers[1] != answers[2], single  # the reset reached the model
+    (tmp_path / "input").write_text(stdin)
+    command, env = rank_0_reads(tmp_path / "input", chat_command(hybrid_dir, *extra, *["--pipeline"] * (split == "pipeline")))
+    ranks = run_ranks(command, timeout=180, env=env)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    assert ranks[0].stdout == single and ranks[1].stdout == ""
+
+
+def test_a_rank_that_dies_ends_the_chat_with_a_clear_error(tiny_llama_dir, tmp_path):
+    """Rank 1 dies while rank 0 waits for input: rank 0 fails at the next line it sends."""
+    fifo = tmp_path / "input"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # read-write: opening does not wait for rank 0
+    try:
+        command, env = rank_0_reads(fifo, chat_command(tiny_llama_dir))
+        ranks = start_ranks(command, env=env)
+        os.write(writer, f"{TURNS[0]}\n".encode())
+        out, deadline = "", time.monotonic() + 120
+        while out.count(">> ") < 2 and time.monotonic() < deadline:  # answered, waiting for the next line
+            time.sleep(0.1)
+            out = (ranks.workdir / "0.out").read_text()
+        assert out.count(">> ") >= 2, ranks.stderr(0)[-2000:]
+        ranks.processes[1].kill()
+        ranks.processes[1].wait()
+        os.write(writer, f"{TURNS[1]}\n".encode())
+        results = ranks.wait(60, stop_others_on_failure=False)
+    finally:
+        os.close(writer)
+    assert results[0].returncode == 1, results[0].stderr[-2000:]  # by itself, not the timeout
+    assert "Error: rank 0 of 2 stopped" in results[0].stderr
+
+
+def test_adapters_under_mlx_launch_are_refused_before_loading(tmp_path):
+    from types import SimpleNamespace
+
+    from mlx_lm import chat
+
+    two_ranks = SimpleNamespace(size=lambda: 2, rank=lambda: 0)  # enough to choose sharded loading
+    args = chat.setup_arg_parser().parse_args(["--model", str(tmp_path / "none"), "--adapter-path", "lora"])
+    with pytest.raises(ValueError, match=r"--adapter-path 'lora': adapters are not sharded; under mlx.launch "
+                                         r"fuse them first \(mlx_lm.fuse\)"):
+        chat.load_with_speculation(args, two_ranks)
