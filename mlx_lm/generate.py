@@ -507,7 +507,6 @@ def run(args: argparse.Namespace) -> str:
     pinned to --num-draft-tokens (see `distributed`) and only rank 0 prints."""
     from . import distributed
     from .cache_prompt import load_cached_prompt
-    from .models.sharding import parameter_bytes
     from .utils import compute_dtype, parameter_dtypes, sharded_load
 
     group = distributed.world()
@@ -587,9 +586,7 @@ def run(args: argparse.Namespace) -> str:
         if line is not None:
             print(line)
         if group.size() > 1:
-            print(f"{'Pipeline' if args.pipeline else 'Tensor'} parallel over {group.size()} ranks: "
-                  f"{parameter_bytes(model) / 1e9:.3f} GB of "
-                  "weights on rank 0")
+            print(distributed.split_line(model, group, args.pipeline))
     return generate(model, tokenizer, prompt_tokens, verbose=verbose, **kwargs)
 
 
