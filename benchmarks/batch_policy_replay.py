@@ -22,7 +22,8 @@ over runs) against fixed K = cap, for the policy as shipped (a K's cost moves by
 of each measurement of it, however long ago the last one was), for round costs that
 forget by rounds instead (a K measured `gap` rounds ago moves 1 - (1 - rate)^gap of the
 way: fresher but resting on fewer measurements; tried in f7c36b0, reverted: it lost
-1-2% here), and with the true costs given (what perfect estimates would reach).
+1-2% here), for each K's cost the median of its last 9 measurements (robust to stalls;
+no better here), and with the true costs given (what perfect estimates would reach).
 Writes results/batch_policy_replay.md and .png.
 """
 
@@ -115,6 +116,21 @@ def policies(costs):
             self.costs.setdefault(batch_size, ForgetByRounds(k, *self._cost_settings))
             super().learn_cost(batch_size, k, round_seconds)
 
+    class MedianCosts(dl.RoundCosts):
+        """Each k's cost: the median of its last 9 measurements."""
+
+        def learn(self, k, seconds):
+            self.recent = getattr(self, "recent", {})
+            self.recent.setdefault(k, []).append(math.log(seconds))
+            self.recent[k] = self.recent[k][-9:]
+            self.log_seconds += [None] * (k + 1 - len(self.log_seconds))
+            self.log_seconds[k] = statistics.median(self.recent[k])
+
+    class CostsByMedian(dl.BatchDraftLengthPolicy):
+        def learn_cost(self, batch_size, k, round_seconds):
+            self.costs.setdefault(batch_size, MedianCosts(k, *self._cost_settings))
+            super().learn_cost(batch_size, k, round_seconds)
+
     class TrueCosts(dl.BatchDraftLengthPolicy):
         def _costs_near(self, batch_size):
             known = dl.RoundCosts(len(costs) - 1)
@@ -122,6 +138,7 @@ def policies(costs):
             return known
 
     return {"as shipped": dl.BatchDraftLengthPolicy, "costs forget by rounds": CostsByRounds,
+            "median of the last 9": CostsByMedian,
             "true costs given": TrueCosts}
 
 
