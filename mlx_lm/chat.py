@@ -61,6 +61,9 @@ DEFAULT_NUM_DRAFT_TOKENS = 3
 QUIT_COMMANDS = ("q", "exit")
 RESET_COMMAND = "r"
 HELP_COMMAND = "h"
+# Rank 0 sends each line to ranks already waiting for it (they load before the first and
+# answer each turn in step with it): longer means one is gone.
+LINE_DEADLINE_SECONDS = 30.0
 # Stands for an answer's content, to find the text the chat template puts before it.
 ANSWER_MARK = "<mlx_lm answer>"
 
@@ -309,7 +312,12 @@ def read_line(group: mx.distributed.Group) -> Optional[str]:
             line = input(">> ")
         except EOFError:
             print()
-    return line if group.size() == 1 else distributed.broadcast_object(line, group)
+    if group.size() == 1:
+        return line
+    if group.rank() != 0:  # waits for rank 0's user, however long
+        return distributed.broadcast_object(None, group)
+    with distributed.deadline(LINE_DEADLINE_SECONDS, "sending the line to the other ranks", group):
+        return distributed.broadcast_object(line, group)
 
 
 def chat_loop(session: ChatSession, verbose: bool, group: Optional[mx.distributed.Group] = None) -> None:
@@ -318,6 +326,8 @@ def chat_loop(session: ChatSession, verbose: bool, group: Optional[mx.distribute
     answers and rank 0 prints."""
     group = distributed.world() if group is None else group
     say = distributed.printer(group)
+    if group.size() > 1:
+        distributed.wait_for_all(group)  # every rank loaded: read_line's deadline starts now
     while True:
         line = read_line(group)
         if line is None:

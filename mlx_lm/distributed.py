@@ -21,8 +21,10 @@ waits forever (mlx.launch also stops the remaining ranks once one exits non-zero
 """
 
 import contextlib
+import os
 import pickle
 import sys
+import threading
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import mlx.core as mx
@@ -79,6 +81,27 @@ def wait_for_all(group: mx.distributed.Group) -> None:
     queued; a rank that exited then would cut a peer still computing it (a pipeline
     stage runs a step ahead of the one after it) off mid-exchange."""
     mx.eval(mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=group))
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str, group: mx.distributed.Group) -> Iterator[None]:
+    """Exit this rank (1, naming `what`) if the block has not finished in `seconds`:
+    for an exchange the other ranks are already waiting on, which then takes no time.
+    MLX's ring backend may notice a lost peer while no operation is pending; the next
+    one then waits for ever instead of raising (chat's rank 0, whose peer died while
+    it waited for input, hung in 1 of 6 runs on a loaded machine)."""
+    def expire() -> None:
+        print(f"Error: rank {group.rank()} of {group.size()} stopped: {what} took over {seconds:g} s; another "
+              "rank probably failed or was stopped (see its output)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @contextlib.contextmanager

@@ -242,3 +242,19 @@ def test_server_on_two_ranks_answers_as_one_process_and_ends_when_a_rank_dies(ch
             p.kill()
     assert results[0].returncode == 1, results[0].stderr[-2000:]  # ended by itself, not by the timeout
     assert "Error: rank 0 of 2 stopped serving" in results[0].stderr
+
+
+def test_a_deadline_ends_a_rank_that_waits_for_a_lost_peer():
+    """distributed.deadline: a block that outlives it exits the rank (1), naming what
+    it waited for; one that finishes in time cancels it."""
+    code = ("import time, types\n"
+            "from mlx_lm import distributed\n"
+            "group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2)\n"
+            "with distributed.deadline(5, 'a quick one', group):\n"
+            "    pass\n"
+            "with distributed.deadline(0.2, 'sending the line', group):\n"
+            "    time.sleep(30)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "Error: rank 0 of 2 stopped: sending the line took over 0.2 s" in result.stderr
+    assert "a quick one" not in result.stderr

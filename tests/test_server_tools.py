@@ -87,8 +87,10 @@ def write_oracle(directory):
 # Prompt lookup inside the batch, and a draft model (the oracle itself) one request at a
 # time. Plain greedy decoding of the oracle gives exactly its chains, which the tests
 # expect; so speculation giving them too is speculation giving what plain decoding does.
-SERVERS = {"lookup": ["--prompt-lookup", "--allow-other-models"],
-           "draft": ["--draft-model", "ORACLE", "--max-batch-size", "1"]}
+# A fixed draft length: the adaptive one follows round times, and on a loaded machine it
+# may go plain for a whole answer (then nothing is accepted, and the test checks nothing).
+SERVERS = {"lookup": ["--prompt-lookup", "--allow-other-models", "--fixed-draft-length"],
+           "draft": ["--draft-model", "ORACLE", "--max-batch-size", "1", "--fixed-draft-length"]}
 
 
 @pytest.fixture(scope="module")
