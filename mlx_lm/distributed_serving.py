@@ -33,6 +33,11 @@ from .serving import GenerationResult, GenerationWorker, Job, ModelProvider
 log = logging.getLogger(__name__)
 
 
+# Rank 0 sends each job to followers that wait for it (they answer every job in step
+# with it): longer means one is gone.
+SEND_DEADLINE_SECONDS = 30.0
+
+
 class AgreedEvent:
     """A cancel flag read alike on every rank. `set()` is local (rank 0's HTTP thread
     calls it); `is_set()` all-sums rank 0's state, so it is a collective: only the
@@ -75,8 +80,9 @@ class RankWorker(GenerationWorker):
 
     def run(self, job: Job) -> None:
         try:
-            if self.group.rank() == 0:
-                distributed.broadcast_object((job.request, job.model_key, job.tokens), self.group)
+            if self.group.rank() == 0:  # to followers already waiting for it (distributed.deadline says why)
+                with distributed.deadline(SEND_DEADLINE_SECONDS, "sending a request to the other ranks", self.group):
+                    distributed.broadcast_object((job.request, job.model_key, job.tokens), self.group)
             super().run(job)
         except RuntimeError as e:
             self._stop(e)
