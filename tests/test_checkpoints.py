@@ -60,6 +60,21 @@ def assert_same_caches(a, b):
     assert [e.meta_state for e in a] == [e.meta_state for e in b]
 
 
+def assert_same_steps(a, b):
+    """Two runs' (token, logprobs) steps: the same tokens, the logprobs bit for bit."""
+    assert [t for t, _ in a] == [t for t, _ in b]
+    assert all(mx.array_equal(x, y).item() for (_, x), (_, y) in zip(a, b))
+
+
+def assert_resumes_as_cold(model, got, prompt, cold_cache=None, max_tokens=6):
+    """A fetched cache's greedy continuation equals a cold run of `prompt` (fed to
+    `cold_cache`, a fresh one by default), and so do the caches after it, bit for bit."""
+    cold_cache = make_prompt_cache(model) if cold_cache is None else cold_cache
+    resumed = greedy(model, got.prompt_cache, got.remaining, max_tokens)
+    assert_same_steps(resumed, greedy(model, cold_cache, prompt, max_tokens))
+    assert_same_caches(got.prompt_cache, cold_cache)
+
+
 def stored(model, prompt=PROMPT):
     """An LRU holding `prompt` plus a few generated tokens, prefilled with snapshots."""
     lru = LRUPromptCache()
@@ -81,13 +96,7 @@ def test_a_resumed_prompt_equals_a_cold_run(family, shared, resumed_at):
     prompt = PROMPT[:shared] + tokens(1, 12)
     got = lru.fetch(prompt)
     assert (got.num_cached, got.remaining) == (resumed_at, prompt[resumed_at:])
-    resumed = greedy(model, got.prompt_cache, got.remaining)
-    cold_cache = make_prompt_cache(model)
-    cold = greedy(model, cold_cache, prompt)
-    assert [t for t, _ in resumed] == [t for t, _ in cold]
-    for (_, a), (_, b) in zip(resumed, cold):
-        assert mx.array_equal(a, b).item()
-    assert_same_caches(got.prompt_cache, cold_cache)
+    assert_resumes_as_cold(model, got, prompt)
 
 
 @pytest.mark.parametrize("family", ["gated_deltanet", "sliding_window"])
@@ -104,13 +113,7 @@ def test_a_prompt_leaving_a_cached_answer_resumes_in_its_prompt(family):
     prompt = PROMPT + answer[:2] + tokens(2, 9)
     got = lru.fetch(prompt)
     assert (got.num_cached, got.remaining) == (40, prompt[40:])
-    resumed = greedy(model, got.prompt_cache, got.remaining)
-    cold_cache = make_prompt_cache(model)
-    cold = greedy(model, cold_cache, prompt)
-    assert [t for t, _ in resumed] == [t for t, _ in cold]
-    for (_, a), (_, b) in zip(resumed, cold):
-        assert mx.array_equal(a, b).item()
-    assert_same_caches(got.prompt_cache, cold_cache)
+    assert_resumes_as_cold(model, got, prompt)
 
 
 def test_moving_a_chunk_boundary_changes_the_state():
@@ -253,8 +256,7 @@ def test_at_the_default_step_snapshots_sit_on_the_grid(monkeypatch):
     resumed = list(generate_step(mx.array(got.remaining), model, max_tokens=4, prompt_cache=got.prompt_cache))
     cold_cache = make_prompt_cache(model)
     cold = list(generate_step(mx.array(prompt), model, max_tokens=4, prompt_cache=cold_cache))
-    assert [t for t, _ in resumed] == [t for t, _ in cold]
-    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
+    assert_same_steps(resumed, cold)
     assert_same_caches(got.prompt_cache, cold_cache)
 
 
@@ -274,12 +276,8 @@ def test_message_boundaries_cut_chunks_and_resume_only_prompts_cut_alike():
     for bounds, resumed_at in [(BOUNDARIES, 32), ((13, 36), 24), ((14,), 8)]:
         got = lru.fetch(prompt, message_boundaries=bounds)
         assert got.num_cached == resumed_at, bounds
-        resumed = greedy(model, got.prompt_cache, got.remaining, max_tokens=3)
         cold_cache = lru.checkpointed(make_prompt_cache(model), STEP, message_boundaries=bounds)
-        cold = greedy(model, cold_cache, prompt, max_tokens=3)
-        assert [t for t, _ in resumed] == [t for t, _ in cold]
-        assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
-        assert_same_caches(got.prompt_cache, cold_cache)
+        assert_resumes_as_cold(model, got, prompt, cold_cache, max_tokens=3)
 
 
 def test_snapshots_at_message_boundaries_outlast_the_grid_ones():
@@ -318,8 +316,7 @@ def test_speculation_takes_snapshots_target_and_draft_alike():
     resumed = speculate(got.prompt_cache, got.remaining)
     cold_cache = make_prompt_cache(model) + make_prompt_cache(draft)
     cold = speculate(cold_cache, prompt)
-    assert [t for t, _ in resumed] == [t for t, _ in cold]
-    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
+    assert_same_steps(resumed, cold)
     assert_same_caches(got.prompt_cache, cold_cache)
 
 
@@ -350,5 +347,4 @@ def test_speculation_with_a_quantized_kv_keeps_every_snapshot():
     assert got.num_cached == 192
     resumed = speculate(got.prompt_cache, got.remaining)
     cold = speculate(lru.checkpointed(make_prompt_cache(model) + make_prompt_cache(draft), step), prompt)
-    assert [t for t, _ in resumed] == [t for t, _ in cold]
-    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(resumed, cold))
+    assert_same_steps(resumed, cold)
