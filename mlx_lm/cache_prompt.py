@@ -40,8 +40,9 @@ from mlx.utils import tree_flatten
 
 from .cli_args import (
     DEFAULT_MODEL,
-    DEFAULT_QUANTIZED_KV_START,
+    DEFAULT_QUANTIZED_KV_START,  # noqa: F401  (upstream's cache_prompt.DEFAULT_QUANTIZED_KV_START)
     HelpFormatter,
+    add_kv_quantization_arguments,
     format_bytes,
     json_object,
     positive_int,
@@ -222,11 +223,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="JSON object of extra chat template arguments")
     parser.add_argument("--max-kv-size", type=positive_int, default=None,
                         help="Bound every KV cache to this many tokens, keeping the first 4 (default: unbounded)")
-    parser.add_argument("--kv-bits", type=int, default=None,
-                        help="Quantize the KV cache to this many bits (default: not quantized)")
-    parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
-    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
-                        help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
+    add_kv_quantization_arguments(parser)
     parser.add_argument("--snapshot-mb", type=int, default=DEFAULT_SNAPSHOT_MB,
                         help="MiB the snapshots of recurrent and sliding-window layers may take in the file, so "
                              "that a prompt differing near the end of the cached one resumes from them (0: none)")

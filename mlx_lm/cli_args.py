@@ -80,6 +80,16 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**10:.2f} KB"
 
 
+def add_kv_quantization_arguments(parser: argparse.ArgumentParser, bits_note: str = "") -> None:
+    """--kv-bits, --kv-group-size and --quantized-kv-start, with upstream's defaults
+    (generate, cache_prompt, server; `bits_note` ends --kv-bits' help)."""
+    parser.add_argument("--kv-bits", type=int, default=None,
+                        help=f"Quantize the KV cache to this many bits (default: not quantized){bits_note}")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                        help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
+
+
 def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     """--prompt-lookup, --max-ngram-size and --mtp: the drafters that need no draft model
     (mlx_lm.generate and mlx_lm.server; check_one_drafter refuses two at once)."""

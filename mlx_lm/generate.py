@@ -13,11 +13,12 @@ import mlx.nn as nn
 
 from .cli_args import (
     DEFAULT_MODEL,
-    DEFAULT_QUANTIZED_KV_START,
+    DEFAULT_QUANTIZED_KV_START,  # noqa: F401  (upstream's generate.DEFAULT_QUANTIZED_KV_START)
     HelpFormatter,
     activation_model_config,
     add_drafter_arguments,
     add_dtype_argument,
+    add_kv_quantization_arguments,
     add_upstream_generate_arguments,
     check_one_drafter,
     json_object,
@@ -424,11 +425,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-file", default=None,
                         help="Continue from a prompt cache made by mlx_lm.cache_prompt for this --model "
                         "(also with --draft-model)")
-    parser.add_argument("--kv-bits", type=int, default=None,
-                        help="Quantize the KV cache to this many bits (default: not quantized)")
-    parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
-    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
-                        help="Quantize the KV cache once it holds this many tokens (with --kv-bits)")
+    add_kv_quantization_arguments(parser)
     parser.add_argument("--draft-model", type=str, default=None,
                         help="A smaller model sharing the tokenizer, for speculative decoding (default: none)")
     add_drafter_arguments(parser)

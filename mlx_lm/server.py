@@ -64,11 +64,11 @@ from .api_handler import APIHandler, WORKER_STOPPED  # noqa: F401  (WORKER_STOPP
 from .chat_messages import convert_chat, process_message_content  # noqa: F401  (upstream's helpers)
 from .chat_output import ToolCallFormatter  # noqa: F401  (upstream's home of the name)
 from .cli_args import (
-    DEFAULT_QUANTIZED_KV_START,
     HelpFormatter,
     add_default_chat_template_argument,
     add_drafter_arguments,
     add_dtype_argument,
+    add_kv_quantization_arguments,
     check_one_drafter,
     json_object,
     positive_float,
@@ -216,13 +216,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template-args", type=json_object, default={},
                         help="JSON object of chat template arguments (requests' chat_template_kwargs override it)")
     add_default_chat_template_argument(parser)
-    parser.add_argument("--kv-bits", type=int, default=None,
-                        help="Quantize the KV caches to this many bits (e.g. 4 or 8; default: not quantized): "
-                             "less memory for long contexts. Turns batching off, as upstream's: requests are "
-                             "served one at a time")
-    parser.add_argument("--kv-group-size", type=int, default=64, help="Group size of KV cache quantization")
-    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
-                        help="Quantize a KV cache once it holds this many tokens (with --kv-bits)")
+    add_kv_quantization_arguments(parser, "; less memory for long contexts. Turns batching off, as upstream's: "
+                                          "requests are served one at a time")
     parser.add_argument("--prompt-cache-size", type=int, default=10, help="Prompt caches kept for reuse (0: none)")
     parser.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
                         help="Memory bound of the kept prompt caches, e.g. 8GB "
