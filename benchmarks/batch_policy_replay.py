@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
+from draft_policy_replay import plot_groups, record  # noqa: E402
 from gdn_prefill import RESULTS  # noqa: E402
 from spec_bench import DRAFT, TARGET  # noqa: E402
 
@@ -45,9 +45,6 @@ CLIENTS, REQUESTS, MAX_TOKENS = 4, 4, 64
 
 
 def record_traces() -> list:
-    sys.path.insert(0, str(ROOT))
-    from draft_policy_replay import record
-
     from mlx_lm import load
 
     target, tokenizer = load(str(TARGET))
@@ -208,25 +205,12 @@ def main():
     (RESULTS / "batch_policy_replay.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(next(iter(table.values())))
-    figure, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / (len(names) + 1)
-    for i, name in enumerate(names):
-        ax.bar([g + i * width for g in range(len(table))], [r[name]["median"] for r in table.values()], width,
-               label=name)
-    ax.bar([g + len(names) * width for g in range(len(table))],
-           [next(iter(r.values()))["fixed"] for r in table.values()], width, label=f"fixed K={cap}", color="grey")
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(table))], [f"drift {d:g}" for d in table])
-    ax.set_ylim(bottom=1.0)
-    ax.set(ylabel="tokens/s / plain batched steps", title="Batch policy replayed (4 clients, demo pair, greedy)")
-    ax.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(RESULTS / "batch_policy_replay.png", dpi=120)
+    plot_groups(RESULTS / "batch_policy_replay.png", [f"drift {d:g}" for d in table],
+                {name: [r[name]["median"] for r in table.values()] for name in names},
+                (f"fixed K={cap}", [next(iter(r.values()))["fixed"] for r in table.values()]),
+                ylabel="tokens/s / plain batched steps", title="Batch policy replayed (4 clients, demo pair, greedy)",
+                bottom=1.0)
 
 
 if __name__ == "__main__":

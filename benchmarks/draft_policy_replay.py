@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
@@ -157,6 +158,31 @@ def evaluate(traces, costs, num_tokens: int, seeds: int) -> dict:
     return dict(settings=results, best_k=best_k, best_vs_plain=plain / fixed[best_k])
 
 
+def plot_groups(path: Path, groups: List[str], series: Dict[str, List[float]], reference: Tuple[str, List[float]],
+                *, ylabel: str, title: str, figsize=(8, 4), group_fontsize=None, bottom=None) -> None:
+    """A bar per series in each group, then the reference's (grey), and a line at 1.0;
+    written to `path` (also batch_policy_replay.py's plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=figsize)
+    width = 0.8 / (len(series) + 1)
+    positions = range(len(groups))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([g + i * width for g in positions], values, width, label=name)
+    ax.bar([g + len(series) * width for g in positions], reference[1], width, label=reference[0], color="grey")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([g + 0.4 - width / 2 for g in positions], groups, fontsize=group_fontsize)
+    if bottom is not None:
+        ax.set_ylim(bottom=bottom)
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[80, 160])
@@ -209,25 +235,11 @@ def main():
     (RESULTS / "draft_policy_replay.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, ax = plt.subplots(figsize=(10, 4.5))
-    groups = [f"{r['case']}\n{r['tokens']} tokens" for r in rows]
-    width = 0.8 / (len(SETTINGS) + 1)
-    for i, name in enumerate(SETTINGS):
-        ax.bar([g + i * width for g in range(len(rows))], [r["settings"][name]["vs_plain"] for r in rows],
-               width, label=name)
-    ax.bar([g + len(SETTINGS) * width for g in range(len(rows))], [r["best_vs_plain"] for r in rows], width,
-           label="best fixed k (hindsight)", color="grey")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(rows))], groups, fontsize=8)
-    ax.set(ylabel="speed / plain decoding", title="Draft-length policy replayed on recorded outputs (demo pair)")
-    ax.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(RESULTS / "draft_policy_replay.png", dpi=120)
+    plot_groups(RESULTS / "draft_policy_replay.png", [f"{r['case']}\n{r['tokens']} tokens" for r in rows],
+                {name: [r["settings"][name]["vs_plain"] for r in rows] for name in SETTINGS},
+                ("best fixed k (hindsight)", [r["best_vs_plain"] for r in rows]),
+                ylabel="speed / plain decoding", title="Draft-length policy replayed on recorded outputs (demo pair)",
+                figsize=(10, 4.5), group_fontsize=8)
 
 
 if __name__ == "__main__":
