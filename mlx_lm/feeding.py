@@ -141,6 +141,25 @@ def _check_input_embeddings(prompt: mx.array, input_embeddings: mx.array) -> Non
         )
 
 
+def put_back(prompt_cache: List[Any], parts: Tuple[List[Any], List[Any]]) -> None:
+    """A cache list's entries from its two parts (the target's, the drafter's), which
+    the loops feed as copies of its slices: quantizing replaces entries of the lists
+    it is given, and the list must hold the quantized ones."""
+    prompt_cache[: len(parts[0])], prompt_cache[len(parts[0]) :] = parts
+
+
+def put_back_first(prompt_cache: List[Any], parts: Tuple[List[Any], List[Any]],
+                   progress: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """`progress`, called once `prompt_cache` holds the entries of `parts` (put_back):
+    a CheckpointedCache's snapshots (SnapshottingProgress) and a cancelled prefill's
+    stored cache must see what was fed. Every chunk's quantizing precedes its progress."""
+    def put_back_then_progress(done: int, total: int) -> None:
+        put_back(prompt_cache, parts)
+        progress(done, total)
+
+    return put_back_then_progress
+
+
 def kv_quantizer(
     prompt_cache: List[Any], kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int
 ) -> Callable[[List[Any]], None]:

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .chat_output import ChatPlan, forced_call_prefix, plan_chat, template_tools
 from .drafters import DraftModel, MTPHead, check_mtp_head
-from .feeding import check_can_speculate, prefill
+from .feeding import check_can_speculate, prefill, put_back_first
 from .models.lru_prompt_cache import LRUPromptCache
 from .models.cache import make_prompt_cache
 from .models.checkpoints import CheckpointedCache, PrefillChunks, SnapshottingProgress, always_trimmable
@@ -273,32 +273,17 @@ class ServedModel:
             checkpoints = prompt_cache if isinstance(prompt_cache, CheckpointedCache) else None
             head = MTPHead(self.model, prompt_cache[:num_target], prompt_cache[num_target:], self.vocab_size,
                            checkpoints=checkpoints)
-            progress = _put_back_first(prompt_cache, (head.target.cache, head.cache), progress)
+            progress = put_back_first(prompt_cache, (head.target.cache, head.cache), progress)
             head.prefill_with_target(prompt, step, progress, quantize_kv, feed_last_pair=checkpoints is None)
         elif self.draft_model is None:
             prefill(self.model, prompt, prompt_cache, step, progress, quantize_kv)
         else:  # fed as speculation feeds it (DraftModel.prefill, with the whole list's chunks)
             draft = DraftModel(self.draft_model, prompt_cache[num_target:], self.vocab_size)
             target_cache = prompt_cache[:num_target]
-            progress = _put_back_first(prompt_cache, (target_cache, draft.cache), progress)
+            progress = put_back_first(prompt_cache, (target_cache, draft.cache), progress)
             prefill(self.model, prompt, target_cache, step, progress, quantize_kv,
                     also=draft.prefill_feeds(prompt), chunks=chunks)
         return tokens[-1:]
-
-
-def _put_back_first(prompt_cache: List[Any], halves: Tuple[List[Any], List[Any]],
-                    progress: Callable[[int, int], None]) -> Callable[[int, int], None]:
-    """`progress`, called once `prompt_cache` holds the entries of `halves` (its two
-    parts, fed as copies): quantizing replaces entries of the lists it is given, and
-    the list's snapshots (SnapshottingProgress) and a cancelled prefill's stored cache
-    must hold the quantized ones. Every chunk's quantizing precedes its progress."""
-    num_target = len(halves[0])
-
-    def put_back_then_progress(done: int, total: int) -> None:
-        prompt_cache[:num_target], prompt_cache[num_target:] = halves
-        progress(done, total)
-
-    return put_back_then_progress
 
 
 class Job:

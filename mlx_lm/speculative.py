@@ -24,6 +24,8 @@ from .feeding import (
     kv_quantizer,
     on_generation_stream,
     processed_logprobs,
+    put_back,
+    put_back_first,
     runs_on_stream,
 )
 from .models import cache
@@ -378,19 +380,10 @@ def speculative_generate_step(
                                    num_draft_tokens) if adaptive_draft_length else None
     policy = DraftLengthPolicy(num_draft_tokens, adaptive=adaptive_draft_length, learned=learned)
     progress = prompt_progress_callback or (lambda done, total: None)
-    has_draft_cache = draft_model is not None or mtp
-
-    def write_back() -> None:  # the parts' entries into the list (KV quantization replaces them)
-        prompt_cache[:num_target] = target.cache
-        if has_draft_cache:
-            prompt_cache[num_target:] = drafter.cache
-
+    # The list's two parts, fed as copies (a prompt lookup has no entries of its own).
+    parts = (target.cache, drafter.cache if draft_model is not None or mtp else prompt_cache[num_target:])
     if isinstance(prompt_cache, CheckpointedCache):  # the drafter feeds the list in parts: told once a chunk
-        snapshotting = SnapshottingProgress(prompt_cache, progress)
-
-        def progress(done: int, total: int) -> None:
-            write_back()
-            snapshotting(done, total)
+        progress = put_back_first(prompt_cache, parts, SnapshottingProgress(prompt_cache, progress))
     quantize_kv = kv_quantizer(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
 
     drafter.prefill(target, prompt, prefill_step_size, progress, quantize_kv)
@@ -459,7 +452,7 @@ def speculative_generate_step(
         raise
     finally:
         _finish_speculation(target, drafter, sequence[: num_prompt + num_yielded], clean_stop)
-        write_back()  # entries quantized on the way
+        put_back(prompt_cache, parts)  # entries quantized on the way
 
 
 def _finish_speculation(target: CachedModel, drafter: Drafter, delivered: List[int], clean_stop: bool) -> None:
