@@ -314,10 +314,8 @@ def read_line(group: mx.distributed.Group) -> Optional[str]:
             print()
     if group.size() == 1:
         return line
-    if group.rank() != 0:  # waits for rank 0's user, however long
-        return distributed.broadcast_object(None, group)
-    with distributed.deadline(LINE_DEADLINE_SECONDS, "sending the line to the other ranks", group):
-        return distributed.broadcast_object(line, group)
+    return distributed.broadcast_object(line, group, sender_deadline=LINE_DEADLINE_SECONDS,
+                                        what="sending the line to the other ranks")
 
 
 def chat_loop(session: ChatSession, verbose: bool, group: Optional[mx.distributed.Group] = None) -> None:

@@ -63,26 +63,6 @@ def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
     return int(mx.distributed.all_sum(mine, group=group).item())
 
 
-@on_generation_stream
-def broadcast_object(obj: Any, group: mx.distributed.Group) -> Any:
-    """Rank 0's `obj` on every rank (the others pass anything, e.g. None): its pickle,
-    all-summed with zeros from the other ranks. Only for ranks of one job, which trust
-    each other as one program does."""
-    data = pickle.dumps(obj) if group.rank() == 0 else b""
-    size = int(mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=group).item())
-    mine = np.frombuffer(data, dtype=np.uint8) if group.rank() == 0 else np.zeros(size, dtype=np.uint8)
-    total = mx.distributed.all_sum(mx.array(mine), group=group)
-    return pickle.loads(bytes(np.array(total)))
-
-
-@on_generation_stream
-def wait_for_all(group: mx.distributed.Group) -> None:
-    """Return once every rank got here. A generation loop ends with its next forward
-    queued; a rank that exited then would cut a peer still computing it (a pipeline
-    stage runs a step ahead of the one after it) off mid-exchange."""
-    mx.eval(mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=group))
-
-
 @contextlib.contextmanager
 def deadline(seconds: float, what: str, group: mx.distributed.Group) -> Iterator[None]:
     """Exit this rank (1, naming `what`) if the block has not finished in `seconds`:
@@ -102,6 +82,30 @@ def deadline(seconds: float, what: str, group: mx.distributed.Group) -> Iterator
         yield
     finally:
         timer.cancel()
+
+
+@on_generation_stream
+def broadcast_object(obj: Any, group: mx.distributed.Group, *, sender_deadline: Optional[float] = None,
+                     what: str = "a broadcast") -> Any:
+    """Rank 0's `obj` on every rank (the others pass anything, e.g. None): its pickle,
+    all-summed with zeros from the other ranks. Only for ranks of one job, which trust
+    each other as one program does. `sender_deadline` (seconds): for an object the
+    others already wait for, rank 0 exits if sending it takes longer (see deadline)."""
+    timed = sender_deadline is not None and group.rank() == 0
+    with deadline(sender_deadline, what, group) if timed else contextlib.nullcontext():
+        data = pickle.dumps(obj) if group.rank() == 0 else b""
+        size = int(mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=group).item())
+        mine = np.frombuffer(data, dtype=np.uint8) if group.rank() == 0 else np.zeros(size, dtype=np.uint8)
+        total = mx.distributed.all_sum(mx.array(mine), group=group)
+        return pickle.loads(bytes(np.array(total)))
+
+
+@on_generation_stream
+def wait_for_all(group: mx.distributed.Group) -> None:
+    """Return once every rank got here. A generation loop ends with its next forward
+    queued; a rank that exited then would cut a peer still computing it (a pipeline
+    stage runs a step ahead of the one after it) off mid-exchange."""
+    mx.eval(mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=group))
 
 
 @contextlib.contextmanager

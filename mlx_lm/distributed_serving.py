@@ -81,8 +81,9 @@ class RankWorker(GenerationWorker):
     def run(self, job: Job) -> None:
         try:
             if self.group.rank() == 0:  # to followers already waiting for it (distributed.deadline says why)
-                with distributed.deadline(SEND_DEADLINE_SECONDS, "sending a request to the other ranks", self.group):
-                    distributed.broadcast_object((job.request, job.model_key, job.tokens), self.group)
+                distributed.broadcast_object((job.request, job.model_key, job.tokens), self.group,
+                                             sender_deadline=SEND_DEADLINE_SECONDS,
+                                             what="sending a request to the other ranks")
             super().run(job)
         except RuntimeError as e:
             self._stop(e)
