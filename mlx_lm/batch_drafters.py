@@ -213,6 +213,7 @@ class BatchDraftModel:
         for _ in range(num_steps):
             logits = self.model(self._ids(tokens), cache=cache)[:, -1, : self.target_vocab_size]
             token, law = draw_drafts(logits, samplers)
+            mx.async_eval(token)  # computes while the next step's graph is built
             steps.append(token)
             laws.append(law)
             tokens = token[:, None]
@@ -360,10 +361,12 @@ class BatchMTPHead:
         self.catch_up(cache)
         out, logits = self._feed(cache, *self.pending)  # the target's own table
         token, law = draw_drafts(logits[:, -1], samplers)
+        mx.async_eval(token)  # computes while the next step's graph is built
         steps, laws = [token], [law]
         for _ in range(max(rooms) - 1):
             out, logits = self._feed(cache, steps[-1][:, None], out)
             token, law = draw_drafts(logits[:, -1], samplers)
+            mx.async_eval(token)
             steps.append(token)
             laws.append(law)
         self.num_drafting = len(steps) - 1

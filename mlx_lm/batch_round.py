@@ -131,7 +131,10 @@ class Rounds:
         drafter found none (prompt lookup may not)."""
         fed = self.table.tokens.tolist()  # drafting needs each row's token now (the last round is done)
         drafted = self.table.drafter.draft(self.table.draft_caches, fed, rooms, self.draft_samplers())
-        return None if drafted is None else self.queue(fed, *drafted, top)
+        if drafted is None:
+            return None
+        mx.async_eval(drafted[0])  # the drafts compute while the verify's graph is built
+        return self.queue(fed, *drafted, top)
 
     def queue_ahead(self, rows_waiting: bool) -> None:
         """Queue the next round's drafts and verify as
