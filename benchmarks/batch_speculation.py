@@ -17,9 +17,11 @@ catch-up feeds); the demo draft with the adaptive draft length and with each fix
 the target's MTP head, adaptive and with K = 3. They run in turn, `--repeats` times,
 medians reported; with one client, also the single-sequence loop
 (speculative_generate_step) on the same requests. Then what each part of a round costs
-at that batch size (synchronous timings, medians): a plain step, a verify of K + 1
-columns, a draft model step, an MTP head step, and the rollback of a verify whose rows
-keep different prefixes.
+at that batch size (synchronous timings, medians): a plain step (also as the runs take
+it, pipelined), a verify of K + 1 columns, a draft model step, an MTP head step, and
+the rollback of a verify whose rows keep different prefixes; and what those parts allow
+each fixed K (its tokens per row-round at their price) against what it reached.
+Ratios to plain are medians of each pass's ratio (the machine's speed drifts).
 Writes results/batch_speculation.md and .png (batch_speculation_N_clients.* for N != 4).
 """
 
@@ -37,7 +39,8 @@ from spec_bench import PROMPTS, BLAS_CHOICES, loaded_blas, reexec_with_blas  # n
 
 
 def serve(model, prompts, args, **generator_args):
-    """Tokens/s of N clients' requests in turn, and rounds per draft length (row-rounds)."""
+    """Tokens/s of N clients' requests in turn, rounds per draft length (row-rounds) and
+    the tokens emitted."""
     from mlx_lm.batching import BatchGenerator
 
     generator = BatchGenerator(model, max_tokens=args.max_tokens, completion_batch_size=args.clients,
@@ -62,7 +65,7 @@ def serve(model, prompts, args, **generator_args):
                 lengths[k] += count
             if sent[client] < args.requests_per_client:
                 send(client)
-    return num_tokens / (time.perf_counter() - start), lengths
+    return num_tokens / (time.perf_counter() - start), lengths, num_tokens
 
 
 def serve_alone(model, prompts, args, draft_model):
@@ -78,7 +81,7 @@ def serve_alone(model, prompts, args, draft_model):
         steps = speculative_generate_step(mx.array(prompts[i % len(prompts)]), model, draft_model,
                                           max_tokens=args.max_tokens)
         num_tokens += sum(1 for _ in steps)
-    return num_tokens / (time.perf_counter() - start), Counter()
+    return num_tokens / (time.perf_counter() - start), Counter(), num_tokens
 
 
 def never_drafting():
@@ -107,22 +110,22 @@ def run_workload(target, draft, prompts, args):
     if args.clients == 1:  # the goal there: the batch against the single-sequence loop
         configs["single-sequence loop, draft, adaptive"] = dict(alone=True)
     default_policy = batching.BatchDraftLengthPolicy
-    runs, lengths = {name: [] for name in configs}, {}
+    runs, lengths, tokens = {name: [] for name in configs}, {}, {}
     for repeat in range(args.repeats + 1):  # the first pass warms up
         for name, config in configs.items():
             config = dict(config)
             batching.BatchDraftLengthPolicy = config.pop("policy", default_policy)
             try:
                 if config.pop("alone", False):
-                    tps, lengths[name] = serve_alone(target, prompts, args, draft)
+                    tps, lengths[name], tokens[name] = serve_alone(target, prompts, args, draft)
                 else:
-                    tps, lengths[name] = serve(target, prompts, args, **config)
+                    tps, lengths[name], tokens[name] = serve(target, prompts, args, **config)
             finally:
                 batching.BatchDraftLengthPolicy = default_policy
             if repeat:
                 runs[name].append(tps)
         print(f"pass {repeat}: " + ", ".join(f"{n} {r[-1]:.0f}" for n, r in runs.items() if r), flush=True)
-    return runs, lengths
+    return runs, lengths, tokens
 
 
 def round_costs(target, draft, prompts, args):
@@ -171,13 +174,53 @@ def round_costs(target, draft, prompts, args):
             mx.eval([c.state for c in cache])
         return step
 
-    costs = {"plain step (1 column)": median_ms(forward(target_cache, target, 1))}
+    def plain_steps(n=30):
+        """ms per plain step in a run of n, each queued before the last one's tokens are
+        read, as the generator's plain steps are (the caches keep the n tokens)."""
+        tokens, last, start = token, None, time.perf_counter()
+        for _ in range(n):
+            make_room(target_cache, 1)
+            tokens = mx.argmax(target(tokens, cache=target_cache)[:, -1], axis=-1).astype(mx.uint32)[:, None]
+            mx.async_eval(tokens, [c.state for c in target_cache])
+            if last is not None:
+                last.tolist()
+            last = tokens
+        last.tolist()
+        return (time.perf_counter() - start) * 1000 / n
+
+    plain_steps()  # warm up
+    costs = {"plain step, pipelined (as in the runs)": statistics.median(plain_steps() for _ in range(3)),
+             "plain step (1 column)": median_ms(forward(target_cache, target, 1))}
     for k in (1, 2, 3):
         costs[f"verify, K={k} ({k + 1} columns)"] = median_ms(forward(target_cache, target, k + 1))
     mixed = [4 - i % 4 for i in range(B)]  # rows keeping 4, 3, 2, 1 of the columns
     costs[f"verify, K=3, then rows keep {mixed[:4]}..."] = median_ms(forward(target_cache, target, 4, mixed))
     draft_cache = batched(draft, lambda: make_prompt_cache(draft))
     costs["draft model step"] = median_ms(forward(draft_cache, draft, 1))
+
+    def drafting_round(queue_each_step):
+        """3 draft steps and the verify of their 4 columns, read once: queued when all
+        are built, or each step as it is built and the drafts before the verify's graph
+        (as the generator does), so that graph building overlaps the computing."""
+        def step():
+            make_room(draft_cache, 3)
+            drafted = [token[:, 0]]
+            for _ in range(3):
+                drafted.append(mx.argmax(draft(drafted[-1][:, None], cache=draft_cache)[:, -1], axis=-1))
+                if queue_each_step:
+                    mx.async_eval(drafted[-1])
+            columns = mx.stack(drafted, axis=1).astype(mx.uint32)
+            if queue_each_step:
+                mx.async_eval(columns)
+            make_room(target_cache, 4)
+            mx.eval(mx.argmax(target(columns, cache=target_cache), axis=-1))
+            trim_rows(draft_cache, [3] * B)
+            trim_rows(target_cache, [4] * B)
+            mx.eval([c.state for c in draft_cache + target_cache])
+        return step
+
+    costs["drafting round, K=3, queued at once"] = median_ms(drafting_round(False))
+    costs["drafting round, K=3, queued step by step (as in the runs)"] = median_ms(drafting_round(True))
     head_cache = merge_caches([target.make_mtp_cache() for _ in range(B)])
     hidden = mx.random.normal((B, 1, target.mtp_head.pre_fc_norm_hidden.weight.shape[0]))
 
@@ -190,8 +233,37 @@ def round_costs(target, draft, prompts, args):
     return costs
 
 
-def report(args, runs, lengths, costs):
-    plain = statistics.median(runs["plain"])
+def to_plain(runs, name) -> float:
+    """The median over passes of a run's tokens/s over plain's in the same pass: the
+    machine's speed drifts between passes more than between runs of one pass."""
+    return statistics.median(t / p for t, p in zip(runs[name], runs["plain"]))
+
+
+def allowed_by_parts(runs, lengths, tokens, costs):
+    """Table lines: for each fixed-K run, the ratio to plain that the round's parts
+    allow, tokens per row-round x a pipelined plain step / (a verify of K + 1 columns +
+    K draft steps), beside the ratio reached. A drafting round cannot be queued before
+    the last one is read (its drafts start from that round's decided tokens), so its
+    parts add up, less what building its later graphs while the first compute hides
+    (the two drafting-round rows); what a run loses against them is the rest:
+    deciding, rolling back, handing tokens out, prefilling the requests that join,
+    rounds with fewer rows at the end. The parts are timed once, after the runs: on a
+    machine whose speed drifts they compare loosely."""
+    lines = ["| run | tokens per row-round | allowed by the parts | reached | reached / allowed |",
+             "|---|---:|---:|---:|---:|"]
+    for name in runs:
+        if "fixed K=" not in name:
+            continue
+        k = int(name.rsplit("=", 1)[1])
+        step = costs["MTP head step" if name.startswith("MTP") else "draft model step"]
+        per_row_round = tokens[name] / sum(lengths[name].values())
+        allowed = per_row_round * costs["plain step, pipelined (as in the runs)"] / (costs[f"verify, K={k} ({k + 1} columns)"] + k * step)
+        reached = to_plain(runs, name)
+        lines.append(f"| {name} | {per_row_round:.2f} | {allowed:.2f}x | {reached:.2f}x | {reached / allowed:.2f} |")
+    return lines
+
+
+def report(args, runs, lengths, tokens, costs):
     lines = [
         f"# Speculation inside the batch, in process: {args.clients} clients",
         "",
@@ -202,17 +274,20 @@ def report(args, runs, lengths, costs):
         f"`{DEMO_DRAFT.name}`; MTP: the target's own head. `python benchmarks/batch_speculation.py "
         f"--clients {args.clients} --prompts {args.prompts}`.",
         "",
-        "| run | tok/s | / plain | runs | row-rounds per K (0: plain) |",
+        "| run | tok/s | / plain (median of the passes' ratios) | runs | row-rounds per K (0: plain) |",
         "|---|---:|---:|---|---|",
     ]
     for name, tps in runs.items():
         median = statistics.median(tps)
         by_k = ", ".join(f"{k}: {n}" for k, n in sorted(lengths[name].items()) if n) or "-"
-        lines.append(f"| {name} | {median:.0f} | {median / plain:.2f}x | {', '.join(f'{t:.0f}' for t in tps)} | "
+        lines.append(f"| {name} | {median:.0f} | {to_plain(runs, name):.2f}x | {', '.join(f'{t:.0f}' for t in tps)} | "
                      f"{by_k} |")
-    lines += ["", f"What a round's parts cost at batch size {args.clients} (ms, synchronous, medians of 30):", "",
+    lines += ["", f"What a round's parts cost at batch size {args.clients} (ms, medians of 30; each part finished before the next begins):", "",
               "| part | ms |", "|---|---:|"]
     lines += [f"| {name} | {ms:.2f} |" for name, ms in costs.items()]
+    lines += ["", "What those parts allow a round of each fixed K, against what it reached (the last pass's "
+              "tokens and rounds):", ""]
+    lines += allowed_by_parts(runs, lengths, tokens, costs)
     lines += ["", machine(), ""]
     RESULTS.mkdir(exist_ok=True)
     stem = "batch_speculation" if args.clients == 4 else f"batch_speculation_{args.clients}_clients"
@@ -224,7 +299,7 @@ def report(args, runs, lengths, costs):
         return
     names = list(runs)
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.barh(names[::-1], [statistics.median(runs[n]) / plain for n in names[::-1]], color="tab:blue")
+    ax.barh(names[::-1], [to_plain(runs, n) for n in names[::-1]], color="tab:blue")
     ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("tokens/s / plain batched decoding")
     ax.set_title(f"{args.clients} clients, demo hybrid target, float32; {loaded_blas().split(' (')[0]}",
@@ -251,8 +326,8 @@ def main():
     target, tokenizer = load(str(DEMO_TARGET))
     draft, _ = load(str(DEMO_DRAFT))
     prompts = [tokenizer.encode(p) for p in (PROMPTS if args.prompts == "demo" else PROMPTS + MORE_PROMPTS)]
-    runs, lengths = run_workload(target, draft, prompts, args)
-    report(args, runs, lengths, round_costs(target, draft, prompts, args))
+    runs, lengths, tokens = run_workload(target, draft, prompts, args)
+    report(args, runs, lengths, tokens, round_costs(target, draft, prompts, args))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ long `mx.async_eval` takes to return and how long the result takes to be ready. 
 async_eval returns at once, host work placed after it overlaps the computation (what a
 GPU's command queue allows); where it returns only when nearly everything has run, the
 host cannot get ahead by more than a few operations and pipelining rounds hides
-nothing. Writes results/host_overlap.md.
+nothing. A model's forward is fewer, larger operations, and there the host does get
+ahead: batch_speculation.py times a plain step queued before the last one is read
+against one read at once, and a drafting round queued step by step against one
+queued whole. Writes results/host_overlap.md.
 """
 
 import argparse
