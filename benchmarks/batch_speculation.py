@@ -149,17 +149,22 @@ def round_costs(target, draft, prompts, args):
             c.start_speculation()
         return caches
 
-    def median_ms(step, n=30):
+    def median_ms(*steps, n=30):
+        """Median ms of each step; several are taken in turn (so that they see the same
+        machine) and returned as a list."""
         for _ in range(3):
-            step()
-        times = []
+            for step in steps:
+                step()
+        times = [[] for _ in steps]
         for _ in range(n):
-            mx.synchronize()
-            start = time.perf_counter()
-            step()
-            mx.synchronize()
-            times.append((time.perf_counter() - start) * 1000)
-        return statistics.median(times)
+            for step, taken in zip(steps, times):
+                mx.synchronize()
+                start = time.perf_counter()
+                step()
+                mx.synchronize()
+                taken.append((time.perf_counter() - start) * 1000)
+        medians = [statistics.median(taken) for taken in times]
+        return medians if len(steps) > 1 else medians[0]
 
     target_cache = batched(target, lambda: make_prompt_cache(target))
     token = mx.full((B, 1), 5, dtype=mx.uint32)
@@ -219,8 +224,9 @@ def round_costs(target, draft, prompts, args):
             mx.eval([c.state for c in draft_cache + target_cache])
         return step
 
-    costs["drafting round, K=3, queued at once"] = median_ms(drafting_round(False))
-    costs["drafting round, K=3, queued step by step (as in the runs)"] = median_ms(drafting_round(True))
+    (costs["drafting round, K=3, queued at once"],
+     costs["drafting round, K=3, queued step by step (as in the runs)"]) = median_ms(drafting_round(False),
+                                                                                   drafting_round(True))
     head_cache = merge_caches([target.make_mtp_cache() for _ in range(B)])
     hidden = mx.random.normal((B, 1, target.mtp_head.pre_fc_norm_hidden.weight.shape[0]))
 
