@@ -263,7 +263,8 @@ def allowed_by_parts(runs, lengths, tokens, costs):
         k = int(name.rsplit("=", 1)[1])
         step = costs["MTP head step" if name.startswith("MTP") else "draft model step"]
         per_row_round = tokens[name] / sum(lengths[name].values())
-        allowed = per_row_round * costs["plain step, pipelined (as in the runs)"] / (costs[f"verify, K={k} ({k + 1} columns)"] + k * step)
+        round_ms = costs[f"verify, K={k} ({k + 1} columns)"] + k * step
+        allowed = per_row_round * costs["plain step, pipelined (as in the runs)"] / round_ms
         reached = to_plain(runs, name)
         lines.append(f"| {name} | {per_row_round:.2f} | {allowed:.2f}x | {reached:.2f}x | {reached / allowed:.2f} |")
     return lines
@@ -288,7 +289,8 @@ def report(args, runs, lengths, tokens, costs):
         by_k = ", ".join(f"{k}: {n}" for k, n in sorted(lengths[name].items()) if n) or "-"
         lines.append(f"| {name} | {median:.0f} | {to_plain(runs, name):.2f}x | {', '.join(f'{t:.0f}' for t in tps)} | "
                      f"{by_k} |")
-    lines += ["", f"What a round's parts cost at batch size {args.clients} (ms, medians of 30; each part finished before the next begins):", "",
+    lines += ["", f"What a round's parts cost at batch size {args.clients} (ms, medians of 30; each part finished "
+              "before the next begins):", "",
               "| part | ms |", "|---|---:|"]
     lines += [f"| {name} | {ms:.2f} |" for name, ms in costs.items()]
     lines += ["", "What those parts allow a round of each fixed K, against what it reached (the last pass's "
