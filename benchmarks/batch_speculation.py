@@ -14,8 +14,8 @@ imitated in one
 BatchGenerator: a request is inserted when the client's previous one finishes. Runs:
 plain; the demo draft loaded but never drafting (its cost of being there: prefill and
 catch-up feeds); the demo draft with the adaptive draft length and with each fixed K;
-the target's MTP head, adaptive and with K = 3. They run in turn, `--repeats` times,
-medians reported; with one client, also the single-sequence loop
+the target's MTP head, adaptive and with K = 3. They run in turn (every other pass in
+reverse order), `--repeats` times, medians reported; with one client, also the single-sequence loop
 (speculative_generate_step) on the same requests. Then what each part of a round costs
 at that batch size (synchronous timings, medians): a plain step (also as the runs take
 it, pipelined), a verify of K + 1 columns, a draft model step, an MTP head step, and
@@ -112,7 +112,9 @@ def run_workload(target, draft, prompts, args):
     default_policy = batching.BatchDraftLengthPolicy
     runs, lengths, tokens = {name: [] for name in configs}, {}, {}
     for repeat in range(args.repeats + 1):  # the first pass warms up
-        for name, config in configs.items():
+        # Every other pass in reverse order, so that a run's place in the pass (what ran
+        # just before it) favours none.
+        for name, config in (reversed(list(configs.items())) if repeat % 2 else configs.items()):
             config = dict(config)
             batching.BatchDraftLengthPolicy = config.pop("policy", default_policy)
             try:
@@ -277,7 +279,8 @@ def report(args, runs, lengths, tokens, costs):
         f"`{DEMO_TARGET.relative_to(DEMO_TARGET.parents[2])}` (Gated DeltaNet + attention), float32; "
         f"{args.clients} clients x {args.requests_per_client} requests of {args.max_tokens} greedy tokens (the "
         f"{args.prompts} prompts), each client's next request inserted when its last finishes (one BatchGenerator, "
-        f"as the server's batch worker runs it); medians of {args.repeats} runs taken in turn. Draft: "
+        f"as the server's batch worker runs it); medians of {args.repeats} runs taken in turn "
+        f"(every other pass in reverse order). Draft: "
         f"`{DEMO_DRAFT.name}`; MTP: the target's own head. `python benchmarks/batch_speculation.py "
         f"--clients {args.clients} --prompts {args.prompts}`.",
         "",
