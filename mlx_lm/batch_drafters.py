@@ -115,8 +115,6 @@ class BatchPromptLookup:
                 lookup.extend([token])
         self.lag = []
 
-    catch_up_for_round = catch_up  # (outside the round's time)
-
     def draft(self, cache: List[Any], fed: List[int], rooms: List[int],
               samplers: DraftSamplers = None) -> Optional[Drafts]:
         """Each row's continuation of its latest n-gram (at most its room), point
@@ -198,9 +196,6 @@ class BatchDraftModel:
         make_room(cache, tokens.shape[1])
         self.model(self._ids(tokens), cache=cache)
         mx.async_eval([c.state for c in cache], bookkeeping(cache))
-
-    def catch_up_for_round(self, cache: List[Any]) -> None:
-        pass  # the round's first draft step feeds the lag
 
     def draft(self, cache: List[Any], fed: List[int], rooms: List[int], samplers: DraftSamplers = None) -> Drafts:
         """K = the largest room steps for all rows at once; the first feeds the lag too."""
@@ -340,8 +335,6 @@ class BatchMTPHead:
             keeps = [width] * tokens.shape[0] if keep is None else keep
             trim_rows(cache, [width - k + last for k in keeps])
         mx.async_eval([c.state for c in cache], bookkeeping(cache))
-
-    catch_up_for_round = catch_up  # (outside the round's time)
 
     @staticmethod
     def _merged(chunks):

@@ -131,12 +131,6 @@ class RowTable:
         if self.drafter is not None and self.caches is not None:
             self.drafter.catch_up(self.draft_caches)
 
-    def catch_up_for_round(self) -> None:
-        """What the drafter must be fed before a drafting round starts (a draft model
-        feeds its lag in the round's first step instead)."""
-        if self.drafter is not None and self.caches is not None:
-            self.drafter.catch_up_for_round(self.draft_caches)
-
     def join(self, joining: List[Row], speculating: bool) -> None:
         """Rows whose prompt is in their own caches (all but the last token, or all of
         it and a first token sampled alone) join at the end, between rounds."""

@@ -4,6 +4,8 @@ Mamba-2) targets, with mixed
 prompt lengths, sequences joining and leaving mid-flight, removal, prompt caches and stop
 tokens; seeded sampling does not depend on the batch."""
 
+import itertools
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
@@ -519,6 +521,27 @@ def test_a_draft_that_sits_out_plain_steps_catches_up(monkeypatch):
         fresh = make_prompt_cache(draft)
         draft(mx.array(p + a)[None], cache=fresh)
         assert_same_caches(cache[num_target:], fresh)
+
+
+def test_a_round_after_plain_steps_starts_with_the_draft_caught_up(monkeypatch):
+    """What plain steps gave the target alone is fed to the draft before a drafting
+    round's clock starts (the plain steps' debt, not the round's cost): the round's
+    first draft step feeds each row's token alone, where a round queued after another
+    feeds the last one's kept token with it. Answers equal solo runs."""
+    choices = itertools.count()
+    monkeypatch.setattr(BatchDraftLengthPolicy, "choose",
+                        lambda self, batch_size, rows: 3 if next(choices) % 6 >= 4 else 0)
+    lags = []
+    draft_step = batch_drafters.BatchDraftModel.draft
+    monkeypatch.setattr(batch_drafters.BatchDraftModel, "draft",
+                        lambda self, *a, **k: lags.append(len(self.lag)) or draft_step(self, *a, **k))
+    model, draft = tiny_model("qwen3"), perturbed("qwen3")
+    lengths, budgets = [14, 5, 22], [30, 25, 20]
+    prompts = [repetitive_prompt(n, seed) for seed, n in enumerate(lengths)]
+    answers = [solo(model, p, b) for p, b in zip(prompts, budgets)]
+    out, _ = generate_all(BatchGenerator(model, completion_batch_size=3, draft_model=draft), prompts, budgets)
+    assert out == answers
+    assert 0 in lags and 1 in lags and max(lags) == 1, lags
 
 
 @pytest.mark.parametrize("draft_name", ["qwen3", "qwen3_next"])
