@@ -15,12 +15,13 @@ BatchGenerator: a request is inserted when the client's previous one finishes. R
 plain; the demo draft loaded but never drafting (its cost of being there: prefill and
 catch-up feeds); the demo draft with the adaptive draft length and with each fixed K;
 the target's MTP head, adaptive and with K = 3. They run in turn (every other pass in
-reverse order), `--repeats` times, medians reported; with one client, also the single-sequence loop
-(speculative_generate_step) on the same requests. Then what each part of a round costs
-at that batch size (synchronous timings, medians): a plain step (also as the runs take
-it, pipelined), a verify of K + 1 columns, a draft model step, an MTP head step, and
-the rollback of a verify whose rows keep different prefixes; and what those parts allow
-each fixed K (its tokens per row-round at their price) against what it reached.
+reverse order), `--repeats` times, medians reported; with one client, also the
+single-sequence loop (speculative_generate_step) on the same requests. Then what each
+part of a round costs at that batch size (synchronous timings, medians): a plain step
+(also as the runs take it, pipelined), a verify of K + 1 columns, a draft model step,
+an MTP head step, and the rollback of a verify whose rows keep different prefixes; and
+what those parts allow each fixed K (its tokens per row-round at their price) against
+what it reached.
 Ratios to plain are medians of each pass's ratio (the machine's speed drifts).
 Writes results/batch_speculation.md and .png (batch_speculation_N_clients.* for N != 4).
 """
